@@ -1,0 +1,3 @@
+"""mega_pretrain (not built yet; see README.md)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""mega_moe (not built yet; see README.md)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""mega_pipeline (not built yet; see README.md)."""
+
+__all__: list[str] = []

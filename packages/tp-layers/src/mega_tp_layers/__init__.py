@@ -1,0 +1,3 @@
+"""mega_tp_layers (not built yet; see README.md)."""
+
+__all__: list[str] = []
