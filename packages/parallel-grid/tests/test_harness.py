@@ -127,3 +127,14 @@ def test_local_function_rejected(dist_pool: DistPool) -> None:
 def test_pool_as_context_manager() -> None:
     with DistPool(backend="gloo") as pool:
         assert pool.run(_collectives, 2)[1]["sum"] == [3.0]
+
+
+def _device_type() -> str:
+    from mega_parallel_grid.testing import rank_device
+
+    return rank_device().type
+
+
+def test_rank_device_follows_backend(dist_pool: DistPool) -> None:
+    expected = "cuda" if dist_pool.workers(2).backend == "nccl" else "cpu"
+    assert dist_pool.run(_device_type, 2) == [expected, expected]

@@ -13,6 +13,7 @@ fixture (registered automatically by this package's pytest plugin)::
         dist_pool.run(_check, world_size=4, args=(4,))
 """
 
+from mega_parallel_grid.testing.device import rank_device
 from mega_parallel_grid.testing.pool import DistPool, RankFailedError, RankTimeoutError
 
-__all__ = ["DistPool", "RankFailedError", "RankTimeoutError"]
+__all__ = ["DistPool", "RankFailedError", "RankTimeoutError", "rank_device"]
