@@ -11,11 +11,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
-from mega_parallel_grid.testing import DistPool
+from mega_parallel_grid.testing import DistPool, rank_device
 
 
 def _all_reduce() -> float:
-    t = torch.ones(4)
+    t = torch.ones(4, device=rank_device())
     dist.all_reduce(t)
     return float(t[0])
 

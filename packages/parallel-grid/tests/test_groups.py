@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from mega_parallel_grid import GROUP_DIMS, ParallelConfig, RankLayout, init_process_groups
-from mega_parallel_grid.testing import DistPool
+from mega_parallel_grid.testing import DistPool, rank_device
 
 
 def _check_groups(config: ParallelConfig) -> dict[str, list[int]]:
@@ -23,7 +23,7 @@ def _check_groups(config: ParallelConfig) -> dict[str, list[int]]:
     assert dist.get_process_group_ranks(groups.embedding) == layout.embedding_ranks(rank)
     assert groups.group("dp-cp") is groups.dp_cp and groups.group("tp-pp") is groups.mp
     # a collective on the tp group sums exactly over its members
-    t = torch.tensor([float(rank)])
+    t = torch.tensor([float(rank)], device=rank_device())
     dist.all_reduce(t, group=groups.tp)
     assert t.item() == sum(layout.group_of("tp", rank))
     return {name: dist.get_process_group_ranks(groups.group(name)) for name in GROUP_DIMS}

@@ -8,24 +8,25 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from mega_parallel_grid.testing import DistPool, RankFailedError, RankTimeoutError
+from mega_parallel_grid.testing import DistPool, RankFailedError, RankTimeoutError, rank_device
 
 WORLD_SIZES = [1, 2, 4, 8]
 
 
 def _collectives() -> dict[str, list[float]]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    summed = torch.tensor([float(rank + 1)])
+    dev = rank_device()
+    summed = torch.tensor([float(rank + 1)], device=dev)
     dist.all_reduce(summed)
-    gathered = [torch.zeros(2) for _ in range(world)]
-    dist.all_gather(gathered, torch.tensor([float(rank), float(rank * 10)]))
-    shared = torch.tensor([float(rank) + 0.5])
+    gathered = [torch.zeros(2, device=dev) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([float(rank), float(rank * 10)], device=dev))
+    shared = torch.tensor([float(rank) + 0.5], device=dev)
     dist.broadcast(shared, src=world - 1)
     # a ring of send/recv: each rank sends its rank to the next, receives from the previous
-    received = torch.tensor([-1.0])
+    received = torch.tensor([-1.0], device=dev)
     if world > 1:
         ops = [
-            dist.P2POp(dist.isend, torch.tensor([float(rank)]), (rank + 1) % world),
+            dist.P2POp(dist.isend, torch.tensor([float(rank)], device=dev), (rank + 1) % world),
             dist.P2POp(dist.irecv, received, (rank - 1) % world),
         ]
         for req in dist.batch_isend_irecv(ops):
@@ -130,8 +131,6 @@ def test_pool_as_context_manager() -> None:
 
 
 def _device_type() -> str:
-    from mega_parallel_grid.testing import rank_device
-
     return rank_device().type
 
 

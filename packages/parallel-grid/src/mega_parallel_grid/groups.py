@@ -95,7 +95,7 @@ class ProcessGroups:
         sizes = layout.sizes()
         mesh = torch.arange(layout.world_size).reshape([sizes[n] for n in names])
         if device_type is None:
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
         return DeviceMesh.from_group(
             [self.group(n) for n in names], device_type, mesh=mesh, mesh_dim_names=tuple(names)
         )

@@ -68,8 +68,10 @@ def worker_main(
     store = TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=60))
     # One default group for the worker's life (building one per call costs ~10 ms per
     # rank); groups a call creates are destroyed after it, so each call starts clean.
+    # Under NCCL, gloo serves CPU tensors too, so a test can mix both devices.
+    pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size,
+        pg_backend, store=store, rank=rank, world_size=world_size,
         timeout=timedelta(seconds=collective_timeout_s),
     )  # fmt: skip
     while True:

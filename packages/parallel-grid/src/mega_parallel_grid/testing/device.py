@@ -10,6 +10,6 @@ __all__ = ["rank_device"]
 
 def rank_device() -> torch.device:
     """``cuda:<rank>`` when the call runs on NCCL, else the CPU; use it in rank functions."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
