@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+
 from mega_parallel_grid import GROUP_DIMS, ParallelConfig, RankLayout, init_process_groups
 from mega_parallel_grid.testing import DistPool, rank_device
 

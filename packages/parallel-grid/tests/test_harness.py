@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from mega_parallel_grid.testing import DistPool, RankFailedError, RankTimeoutError, rank_device
 
 WORLD_SIZES = [1, 2, 4, 8]

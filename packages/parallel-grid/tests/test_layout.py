@@ -14,6 +14,7 @@ import itertools
 from math import prod
 
 import pytest
+
 from mega_parallel_grid import ParallelConfig, RankLayout
 
 # -- Megatron's documented examples ---------------------------------------------------------

@@ -1,0 +1,292 @@
+"""The trainer's configuration: nested frozen dataclasses, a TOML file and dotted overrides.
+
+Every field has a docstring; ``--dry-run`` prints the resolved config. Loading never runs
+code: TOML is parsed with ``tomllib``, values are converted to each field's declared type
+and checked before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["CheckpointConfig", "DataConfig", "ModelSection", "ParallelSection", "RunConfig",
+           "TrainConfig", "TrainerConfig", "config_to_dict", "load_config"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which model: a registered size, optionally with fields of GPTConfig changed."""
+
+    size: str = "tiny"
+    """A name from mega_models' registry (tiny, 125m, 1b, 1b-bench, 8b)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """GPTConfig fields to change, e.g. ``--model.num_layers 8`` lands here."""
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """How the model is cut across ranks; dp is what is left of the world size."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    cp: int = 1
+    """Context-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE models)."""
+    etp: int | None = None
+    """Expert tensor-parallel size (default: tp)."""
+    vpp: int | None = None
+    """Virtual pipeline chunks per pp rank (interleaved 1F1B)."""
+    sequence_parallel: bool = False
+    """Split norms and dropout along the sequence over tp (needs tp > 1)."""
+    cp_method: Literal["ring", "all_gather"] = "ring"
+    """How context-parallel attention exchanges K/V."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over dp (ZeRO-1) instead of replicating it."""
+    overlap_grad_reduce: bool = True
+    """Start each gradient bucket's reduction during backward."""
+    overlap_param_gather: bool = False
+    """All-gather updated parameters during the next forward (distributed optimizer)."""
+    bucket_size: int = 40_000_000
+    """Gradient bucket size in elements."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The optimisation: batch, schedule, precision."""
+
+    steps: int = 300
+    """Optimizer steps to run."""
+    seq_len: int = 128
+    """Tokens per sample."""
+    micro_batch_size: int = 8
+    """Samples per micro-batch on each dp rank."""
+    global_batch_size: int = 16
+    """Samples per optimizer step over all dp ranks (micro * dp * accumulation)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of decay."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Shape of the decay after warm-up (wsd: constant, then linear decay at the end)."""
+    wsd_decay_fraction: float = 0.2
+    """Fraction of the steps spent decaying, for the wsd schedule."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    seed: int = 1234
+    """Seed of initialisation, data order and dropout."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter/compute dtype; bf16/fp16 keep fp32 master weights."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation."""
+    compile: bool = False
+    """torch.compile each transformer layer."""
+    log_interval: int = 10
+    """Steps between log lines (the only host syncs of the loop)."""
+    eval_interval: int = 100
+    """Steps between evaluations on the validation split (0 disables)."""
+    eval_steps: int = 4
+    """Micro-batches per dp rank in one evaluation."""
+    nan_policy: Literal["stop", "skip"] = "stop"
+    """On a NaN/inf loss or gradient: stop with the step number, or skip the step."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    paths: tuple[str, ...] = ()
+    """Prefixes of preprocessed token files; empty means the embedded default corpus."""
+    weights: tuple[float, ...] = ()
+    """Blend weights, one per path (default: equal)."""
+    tokenizer: str = "byte"
+    """Tokenizer spec: byte, hf:PATH, tiktoken:PATH."""
+    valid_fraction: float = 0.02
+    """Share of documents held out for evaluation."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save_interval: int = 100
+    """Steps between checkpoints (0: only at the end and on SIGTERM)."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted."""
+    load: str = "auto"
+    """'auto' resumes from the run folder's latest checkpoint, 'none' starts fresh, or a path."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run folder and reporting."""
+
+    name: str = "tiny"
+    """Run name: the folder is ``<out_dir>/<name>``."""
+    out_dir: str = "runs"
+    """Parent folder of run folders."""
+    tensorboard: bool = True
+    """Write TensorBoard events."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s per device for MFU (default: from the detected GPU)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything ``mega-pretrain train`` needs."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, where)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0] if errors else f"{where} cannot be None")
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise ValueError(f"{where} ({value!r}) must be one of {choices}")
+        return value
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(_convert(v, args[0], where) for v in items if v != "")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a table, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{where} ({value!r}) must be true or false")
+    if tp is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"{where} ({value!r}) must be an integer")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} ({value!r}) must be an integer") from None
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} ({value!r}) must be a number") from None
+    if tp is str:
+        return str(value)
+    raise ValueError(f"{where} has an unsupported type {tp!r}")  # pragma: no cover
+
+
+def _build(cls: type[Any], values: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        where = f"{prefix}{key}"
+        if key not in known:
+            raise ValueError(
+                f"unknown setting {where!r}; known settings in {prefix.rstrip('.') or 'the root'}: "
+                f"{', '.join(known)}"
+            )
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where} must be a table of settings, got {value!r}")
+            kwargs[key] = _build(typing.cast(type[Any], tp), value, f"{where}.")
+        else:
+            kwargs[key] = _convert(value, tp, where)
+    return cls(**kwargs)
+
+
+_SHORTCUTS = {"tp", "pp", "cp", "ep", "etp", "vpp"}
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if len(parts) == 1 and parts[0] in _SHORTCUTS:
+        parts = ["parallel", parts[0]]
+    if parts[0] == "model" and len(parts) == 2 and parts[1] != "size":
+        parts = ["model", "overrides", parts[1]]
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r} goes below a setting that is not a table")
+    node[parts[-1]] = value
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None
+) -> TrainerConfig:
+    """The config from an optional TOML file, then ``(dotted.name, value)`` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+        if "model" in tree and isinstance(tree["model"], dict):
+            model = dict(tree["model"])
+            extra = {k: model.pop(k) for k in list(model) if k not in ("size", "overrides")}
+            model.setdefault("overrides", {}).update(extra)
+            tree["model"] = model
+    for key, value in overrides or []:
+        _set_dotted(tree, key, _parse_scalar(value))
+    config = _build(TrainerConfig, tree, "")
+    assert isinstance(config, TrainerConfig)
+    return config
+
+
+def _parse_scalar(text: str) -> Any:
+    """An override's value as TOML would read it (numbers, booleans), else the string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A plain dict of the config (for JSON/TOML dumps and checkpoints)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,350 @@
+"""The indexed token format: ``<prefix>.bin`` holds the tokens, ``<prefix>.idx`` the documents.
+
+``.bin`` is the raw concatenation of every document's token ids, little-endian ``uint16`` when
+the vocabulary fits (ids below 65536) else ``int32``, and nothing else, so it memory-maps as
+one flat array. ``.idx`` is a 64-byte header followed by ``num_docs + 1`` little-endian
+``int64`` offsets into ``.bin`` (in tokens; document ``i`` is ``offsets[i]:offsets[i+1]``):
+
+====== ===== =========================================================================
+offset bytes field
+====== ===== =========================================================================
+0      8     magic ``b"MEGAIDX\\0"``
+8      4     format version (``uint32``, 1)
+12     4     dtype code (``uint32``: 1 = uint16, 2 = int32)
+16     8     vocab_size (``uint64``)
+24     8     num_docs (``uint64``)
+32     8     num_tokens (``uint64``)
+40     8     eod_id (``int64``; -1 when no end-of-document token was appended)
+48     16    fingerprint of ``.bin`` (blake2b-128 of its size, first and last 64 KiB)
+====== ===== =========================================================================
+
+Both files are written to temporary names and moved into place with ``os.replace``, ``.bin``
+first; the fingerprint catches an ``.idx`` paired with a ``.bin`` from another run. Reading
+uses numpy only, never pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO
+
+import numpy as np
+import numpy.typing as npt
+
+from mega_pretrain.data.errors import DataError
+
+__all__ = ["IndexHeader", "IndexedTokenDataset", "IndexedTokenWriter", "token_dtype"]
+
+MAGIC = b"MEGAIDX\x00"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQQq16s")
+assert HEADER.size == 64
+_DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
+_FINGERPRINT_SPAN = 64 * 1024
+
+
+def token_dtype(vocab_size: int) -> np.dtype[Any]:
+    """``uint16`` when every id of the vocabulary fits in it, else ``int32``."""
+    return _DTYPES[1] if vocab_size <= 2**16 else _DTYPES[2]
+
+
+def _fingerprint(bin_path: Path, nbytes: int) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(nbytes.to_bytes(8, "little"))
+    with open(bin_path, "rb") as f:
+        h.update(f.read(_FINGERPRINT_SPAN))
+        f.seek(max(0, nbytes - _FINGERPRINT_SPAN))
+        h.update(f.read(_FINGERPRINT_SPAN))
+    return h.digest()
+
+
+def _create_temp(final: Path) -> tuple[Path, BinaryIO]:
+    """A new file beside ``final`` under a unique name (the umask applies, as to ``final``)."""
+    path = final.with_name(f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    return path, open(path, "xb")
+
+
+def _paths(prefix: str | Path) -> tuple[Path, Path]:
+    prefix = Path(prefix)
+    return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    """The fields of an ``.idx`` header."""
+
+    dtype: np.dtype[Any]
+    vocab_size: int
+    num_docs: int
+    num_tokens: int
+    eod_id: int | None
+    fingerprint: bytes
+
+
+class IndexedTokenWriter:
+    """Writes documents of token ids to ``<prefix>.bin`` / ``<prefix>.idx``, atomically.
+
+    >>> with IndexedTokenWriter("/tmp/corpus", vocab_size=257, eod_id=256) as w:
+    ...     w.add_document([104, 105, 256])
+
+    Nothing appears at the prefix until :meth:`finalize` (called on leaving the ``with``
+    block); an exception inside the block removes the temporary files and leaves any earlier
+    pair at the prefix as it was. ``eod_id`` is only recorded in the header (documents are
+    stored exactly as given).
+    """
+
+    def __init__(self, prefix: str | Path, vocab_size: int, *, eod_id: int | None = None) -> None:
+        if not isinstance(vocab_size, int) or not 0 < vocab_size < 2**31:
+            raise ValueError(f"vocab_size ({vocab_size!r}) must be an integer in 1..2**31-1")
+        if eod_id is not None and not 0 <= eod_id < vocab_size:
+            raise ValueError(f"eod_id ({eod_id}) is outside the vocabulary 0..{vocab_size - 1}")
+        self.bin_path, self.idx_path = _paths(prefix)
+        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        self.vocab_size = vocab_size
+        self.eod_id = eod_id
+        self.dtype = token_dtype(vocab_size)
+        self._offsets: list[int] = [0]
+        self._tmp_bin, bin_file = _create_temp(self.bin_path)
+        self._bin: BinaryIO | None = bin_file
+        self._tmp_idx: Path | None = None
+
+    @property
+    def num_docs(self) -> int:
+        return len(self._offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._offsets[-1]
+
+    def add_document(self, tokens: Sequence[int] | npt.NDArray[Any]) -> None:
+        """Append one document (it may be empty)."""
+        if self._bin is None:
+            raise RuntimeError(f"writer for {self.bin_path} is already closed")
+        ids = np.asarray(tokens)
+        if ids.ndim != 1:
+            raise ValueError(f"a document must be a 1-D sequence of ids, got shape {ids.shape}")
+        if ids.size:
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}; "
+                    "the tokenizer and vocab_size disagree"
+                )
+            self._bin.write(ids.astype(self.dtype, copy=False).tobytes())
+        self._offsets.append(self._offsets[-1] + int(ids.size))
+
+    def finalize(self) -> IndexHeader:
+        """Write the index and move both files into place; returns the header written."""
+        if self._bin is None:
+            raise RuntimeError(f"writer for {self.bin_path} is already closed")
+        try:
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+            self._bin = None
+            nbytes = self.num_tokens * self.dtype.itemsize
+            header = IndexHeader(
+                dtype=self.dtype,
+                vocab_size=self.vocab_size,
+                num_docs=self.num_docs,
+                num_tokens=self.num_tokens,
+                eod_id=self.eod_id,
+                fingerprint=_fingerprint(self._tmp_bin, nbytes),
+            )
+            code = next(c for c, d in _DTYPES.items() if d == self.dtype)
+            self._tmp_idx, idx_file = _create_temp(self.idx_path)
+            with idx_file as f:
+                f.write(
+                    HEADER.pack(
+                        MAGIC,
+                        VERSION,
+                        code,
+                        header.vocab_size,
+                        header.num_docs,
+                        header.num_tokens,
+                        -1 if header.eod_id is None else header.eod_id,
+                        header.fingerprint,
+                    )
+                )
+                f.write(np.asarray(self._offsets, dtype="<i8").tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(self._tmp_bin, self.bin_path)
+            os.replace(self._tmp_idx, self.idx_path)
+            self._tmp_idx = None
+            return header
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Drop what was written; any earlier pair at the prefix stays as it was."""
+        if self._bin is not None:
+            self._bin.close()
+            self._bin = None
+        for tmp in (self._tmp_bin, self._tmp_idx):
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> IndexedTokenWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+def read_header(idx_path: Path) -> IndexHeader:
+    """Read and check an ``.idx`` header (and the file's length); one sentence on failure."""
+    if not idx_path.is_file():
+        raise DataError(
+            f"index file {idx_path} does not exist; create it with `mega-pretrain preprocess`"
+        )
+    size = idx_path.stat().st_size
+    with open(idx_path, "rb") as f:
+        raw = f.read(HEADER.size)
+    if len(raw) < HEADER.size:
+        raise DataError(
+            f"index file {idx_path} is truncated ({size} bytes, shorter than its "
+            f"{HEADER.size}-byte header); preprocess the data again"
+        )
+    magic, version, code, vocab, docs, tokens, eod, fingerprint = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise DataError(
+            f"{idx_path} is not a mega token index (it starts with {magic!r}); "
+            "give the prefix of files written by `mega-pretrain preprocess`"
+        )
+    if version != VERSION:
+        raise DataError(
+            f"index file {idx_path} has format version {version}, but this reader knows "
+            f"version {VERSION}; preprocess the data again"
+        )
+    if code not in _DTYPES:
+        raise DataError(f"index file {idx_path} names unknown dtype code {code}; it is corrupt")
+    expected = HEADER.size + 8 * (docs + 1)
+    if size != expected:
+        raise DataError(
+            f"index file {idx_path} is {'truncated' if size < expected else 'corrupt'}: "
+            f"{size} bytes where {docs} documents need {expected}; preprocess the data again"
+        )
+    return IndexHeader(
+        dtype=_DTYPES[code],
+        vocab_size=vocab,
+        num_docs=docs,
+        num_tokens=tokens,
+        eod_id=None if eod < 0 else eod,
+        fingerprint=fingerprint,
+    )
+
+
+class IndexedTokenDataset:
+    """Memory-mapped documents of a ``<prefix>.bin`` / ``<prefix>.idx`` pair.
+
+    ``len(ds)`` is the number of documents; ``ds.doc(i)`` one document's ids; ``ds.tokens(start,
+    length)`` a window of the concatenation of all documents. Opening checks the header, the
+    sizes of both files, the offsets and the fingerprint, and names the file in one sentence
+    if anything is wrong. Pickles as its prefix (DataLoader workers re-open the files).
+    """
+
+    def __init__(self, prefix: str | Path) -> None:
+        self._open(Path(prefix))
+
+    def _open(self, prefix: Path) -> None:
+        self.prefix = prefix
+        self.bin_path, self.idx_path = _paths(prefix)
+        self.header = read_header(self.idx_path)
+        h, idx, binp = self.header, self.idx_path, self.bin_path
+        offsets = np.memmap(idx, dtype="<i8", mode="r", offset=HEADER.size, shape=(h.num_docs + 1,))
+        if int(offsets[0]) != 0 or int(offsets[-1]) != h.num_tokens:
+            raise DataError(
+                f"index file {idx} is corrupt: its offsets run from {int(offsets[0])} to "
+                f"{int(offsets[-1])}, not 0 to {h.num_tokens}; preprocess the data again"
+            )
+        for start in range(0, h.num_docs, 1 << 20):  # chunked: no copy of a large index
+            if np.any(np.diff(offsets[start : start + (1 << 20) + 1]) < 0):
+                raise DataError(
+                    f"index file {idx} is corrupt: its document offsets decrease; "
+                    "preprocess the data again"
+                )
+        if not binp.is_file():
+            raise DataError(f"token file {binp} does not exist, though its index {idx} does")
+        nbytes = h.num_tokens * h.dtype.itemsize
+        if binp.stat().st_size != nbytes:
+            raise DataError(
+                f"token file {binp} holds {binp.stat().st_size} bytes, but its index expects "
+                f"{nbytes} ({h.num_tokens} tokens of {h.dtype.name}); preprocess the data again"
+            )
+        if _fingerprint(binp, nbytes) != h.fingerprint:
+            raise DataError(
+                f"token file {binp} does not match its index {idx} (fingerprint differs: the "
+                "two come from different runs); preprocess the data again"
+            )
+        self._offsets: npt.NDArray[np.int64] = offsets
+        self._bin: npt.NDArray[Any] = (
+            np.memmap(binp, dtype=h.dtype, mode="r", shape=(h.num_tokens,))
+            if h.num_tokens
+            else np.empty(0, dtype=h.dtype)  # an empty file cannot be mapped
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._open(state["prefix"])
+
+    def __len__(self) -> int:
+        return self.header.num_docs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.header.num_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.header.vocab_size
+
+    @property
+    def eod_id(self) -> int | None:
+        return self.header.eod_id
+
+    @property
+    def doc_offsets(self) -> npt.NDArray[np.int64]:
+        """Where each document starts in ``.bin``, and where the last ends: ``[num_docs + 1]``."""
+        return self._offsets
+
+    def doc(self, i: int) -> npt.NDArray[Any]:
+        """Token ids of document ``i`` (a copy, in the file's dtype)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"document {i} is out of range for {len(self)} documents")
+        return np.array(self._bin[int(self._offsets[i]) : int(self._offsets[i + 1])])
+
+    def tokens(self, start: int, length: int) -> npt.NDArray[Any]:
+        """``length`` ids of the concatenation of all documents from ``start`` (a copy)."""
+        if start < 0 or length < 0 or start + length > self.num_tokens:
+            raise IndexError(
+                f"tokens [{start}, {start + length}) are out of range for {self.num_tokens} tokens"
+            )
+        return np.array(self._bin[start : start + length])
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexedTokenDataset({str(self.prefix)!r}: {len(self)} documents, "
+            f"{self.num_tokens} tokens, vocab {self.vocab_size})"
+        )
