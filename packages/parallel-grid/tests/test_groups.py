@@ -37,6 +37,8 @@ def _check_groups(config: ParallelConfig) -> dict[str, list[int]]:
         (2, ParallelConfig(tp=2)),
         (4, ParallelConfig(tp=2, pp=2)),
         (8, ParallelConfig(tp=2, pp=2, cp=2)),
+        (8, ParallelConfig(tp=2, pp=4)),
+        (4, ParallelConfig(pp=4, vpp=2)),
         (8, ParallelConfig(tp=2, cp=2, ep=2, etp=1)),
         (8, ParallelConfig(tp=2, pp=2, ep=2, order="tp-cp-ep-dp-pp", vpp=2)),
     ],

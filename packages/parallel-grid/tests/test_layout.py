@@ -164,6 +164,9 @@ def test_groups_partition_world_and_order_of_tokens_is_irrelevant() -> None:
         assert flat == list(range(16))
     assert layout.groups("dp-cp") == layout.groups("cp-dp")
     assert layout.embedding_ranks(5) == [5, 13]
+    deep = RankLayout(8, ParallelConfig(pp=4, tp=2))
+    assert deep.embedding_ranks(0) == [0, 6] and deep.embedding_ranks(6) == [0, 6]
+    assert deep.embedding_ranks(2) == [2]  # a middle stage holds no embedding
     assert layout.sizes() == {"tp": 2, "cp": 2, "dp": 2, "pp": 2, "etp": 2, "ep": 1, "edp": 4}
     assert "rank" in layout.table().splitlines()[0]
     assert "world_size=16" in repr(layout)

@@ -156,9 +156,14 @@ class RankLayout:
         }  # fmt: skip
 
     def embedding_ranks(self, rank: int) -> list[int]:
-        """Ranks holding a copy of the word embedding: first and last stage of ``rank``'s pipeline."""
+        """Ranks whose word-embedding copies ``rank`` keeps in sync (the embedding group).
+
+        The first and last stage of ``rank``'s pipeline hold a copy (input embedding, tied
+        output layer); a middle stage holds none, so its group is itself alone.
+        """
         pipeline = self.group_of("pp", rank)
-        return sorted({pipeline[0], pipeline[-1]})
+        ends = sorted({pipeline[0], pipeline[-1]})
+        return ends if rank in ends else [rank]
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

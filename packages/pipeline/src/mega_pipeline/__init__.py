@@ -1,3 +1,53 @@
-"""mega_pipeline (not built yet; see README.md)."""
+"""Pipeline parallelism for any nn.Module: stage-to-stage transfers and the 1F1B schedules."""
 
-__all__: list[str] = []
+from mega_pipeline.chunk import DataIterator, ForwardStep, LossFunc, LossOutput, StageChunk
+from mega_pipeline.losses import broadcast_losses
+from mega_pipeline.order import (
+    Action,
+    interleaved_order,
+    interleaved_warmup,
+    no_pipelining_order,
+    one_f_one_b_order,
+    peak_in_flight,
+    validate_order,
+)
+from mega_pipeline.p2p import P2PCommunicator
+from mega_pipeline.plan import Exchange, Message, Step, build_plan, simulate_plans, virtual_stage
+from mega_pipeline.schedules import (
+    ForwardBackwardFunc,
+    forward_backward_1f1b,
+    forward_backward_interleaved,
+    forward_backward_no_pipelining,
+    get_forward_backward_func,
+)
+from mega_pipeline.stages import rank_layer_ranges, split_layers
+
+__all__ = [
+    "Action",
+    "DataIterator",
+    "Exchange",
+    "ForwardBackwardFunc",
+    "ForwardStep",
+    "LossFunc",
+    "LossOutput",
+    "Message",
+    "P2PCommunicator",
+    "StageChunk",
+    "Step",
+    "broadcast_losses",
+    "build_plan",
+    "forward_backward_1f1b",
+    "forward_backward_interleaved",
+    "forward_backward_no_pipelining",
+    "get_forward_backward_func",
+    "interleaved_order",
+    "interleaved_warmup",
+    "no_pipelining_order",
+    "one_f_one_b_order",
+    "peak_in_flight",
+    "rank_layer_ranges",
+    "simulate_plans",
+    "split_layers",
+    "validate_order",
+    "virtual_stage",
+]

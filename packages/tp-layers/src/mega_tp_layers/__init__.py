@@ -1,3 +1,94 @@
-"""mega_tp_layers (not built yet; see README.md)."""
+"""Tensor- and sequence-parallel layers, vocab-parallel embedding and loss, shard metadata."""
 
-__all__: list[str] = []
+from mega_tp_layers.cross_entropy import vocab_parallel_cross_entropy
+from mega_tp_layers.embedding import VocabParallelEmbedding
+from mega_tp_layers.grads import (
+    SEQUENCE_PARALLEL_ATTR,
+    mark_sequence_parallel,
+    sync_sequence_parallel_grads,
+)
+from mega_tp_layers.init import (
+    INIT_ATTR,
+    InitMethod,
+    Normal,
+    PaddedRows,
+    ScaledNormal,
+    Uniform,
+    XavierUniform,
+    Zeros,
+    init_full,
+    init_parameter,
+    init_parameters,
+    param_generator,
+)
+from mega_tp_layers.linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linear
+from mega_tp_layers.mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+from mega_tp_layers.rng import TP_RNG, TP_SEED_OFFSET, RNGStatesTracker, tp_rng_tracker
+from mega_tp_layers.shard import (
+    SHARD_ATTR,
+    ShardSpec,
+    gather_full,
+    mark_replicated,
+    set_shard_spec,
+    shard_spec,
+    shard_tensor,
+    unshard,
+)
+from mega_tp_layers.te_backend import BACKENDS, Backend, fp8_autocast, te_available
+from mega_tp_layers.vocab import padded_vocab_size, vocab_range
+
+__all__ = [
+    "BACKENDS",
+    "INIT_ATTR",
+    "SEQUENCE_PARALLEL_ATTR",
+    "SHARD_ATTR",
+    "TP_RNG",
+    "TP_SEED_OFFSET",
+    "Backend",
+    "ColumnParallelLinear",
+    "InitMethod",
+    "Normal",
+    "PaddedRows",
+    "RNGStatesTracker",
+    "RowParallelLinear",
+    "ScaledNormal",
+    "ShardSpec",
+    "Uniform",
+    "VocabParallelEmbedding",
+    "XavierUniform",
+    "Zeros",
+    "column_parallel_linear",
+    "copy_to_tp_region",
+    "fp8_autocast",
+    "gather_from_sequence_region",
+    "gather_from_tp_region",
+    "gather_full",
+    "init_full",
+    "init_parameter",
+    "init_parameters",
+    "mark_replicated",
+    "mark_sequence_parallel",
+    "padded_vocab_size",
+    "param_generator",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
+    "scatter_to_tp_region",
+    "set_shard_spec",
+    "shard_spec",
+    "shard_tensor",
+    "sync_sequence_parallel_grads",
+    "te_available",
+    "tp_rng_tracker",
+    "unshard",
+    "vocab_parallel_cross_entropy",
+    "vocab_range",
+]

@@ -15,5 +15,6 @@ fixture (registered automatically by this package's pytest plugin)::
 
 from mega_parallel_grid.testing.device import rank_device
 from mega_parallel_grid.testing.pool import DistPool, RankFailedError, RankTimeoutError
+from mega_parallel_grid.testing.solo import solo_groups
 
-__all__ = ["DistPool", "RankFailedError", "RankTimeoutError", "rank_device"]
+__all__ = ["DistPool", "RankFailedError", "RankTimeoutError", "rank_device", "solo_groups"]

@@ -1,0 +1,123 @@
+"""Self-attention with heads split over tp, GQA, RoPE, optional QK-norm and context parallel."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
+
+from mega_models.config import GPTConfig
+from mega_models.context_parallel import context_parallel_attention
+from mega_models.norms import Norm
+from mega_models.rope import apply_rope
+from mega_tp_layers import (
+    ColumnParallelLinear,
+    Normal,
+    RNGStatesTracker,
+    RowParallelLinear,
+    ScaledNormal,
+)
+from mega_tp_layers._comm import group_size
+
+__all__ = ["SelfAttention"]
+
+
+class SelfAttention(nn.Module):
+    """``[s(/tp), b, h] -> [s(/tp), b, h]``: fused QKV column GEMM, core attention, row GEMM.
+
+    The fused QKV weight's full layout is grouped by key/value head: for each KV group,
+    its query heads, then its key head, then its value head. Splitting those rows evenly
+    over tp gives each rank whole KV groups, so the full weight is the same at any tp.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        *,
+        tp_group: ProcessGroup,
+        cp_group: ProcessGroup,
+        sequence_parallel: bool,
+        cp_method: Literal["ring", "all_gather"] = "ring",
+        recompute_core: bool = False,
+        rng: RNGStatesTracker | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        c = config
+        tp = group_size(tp_group)
+        self.tp, self.cp = tp, group_size(cp_group)
+        self.cp_group, self.cp_method = cp_group, cp_method
+        self.heads = c.num_attention_heads // tp
+        self.kv_heads = c.kv_heads // tp
+        self.head_dim = c.head_dim
+        self.dropout = c.attention_dropout
+        self.recompute_core = recompute_core
+        self.rng = rng
+        common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
+                  "device": device, "dtype": dtype, "bias": c.add_bias}  # fmt: skip
+        qkv_out = (c.num_attention_heads + 2 * c.kv_heads) * c.head_dim
+        self.qkv = ColumnParallelLinear(
+            c.hidden_size, qkv_out, init_method=Normal(c.init_std), **common
+        )
+        self.proj = RowParallelLinear(
+            c.num_attention_heads * c.head_dim, c.hidden_size,
+            init_method=ScaledNormal(c.init_std, c.num_layers), **common,
+        )  # fmt: skip
+        self.q_norm = self.k_norm = None
+        if c.qk_norm:
+            kw: dict[str, Any] = {
+                "device": device,
+                "dtype": dtype,
+                "tp_group": tp_group,
+                "partial_grads": True,
+            }
+            self.q_norm = Norm(c.head_dim, "rmsnorm", c.norm_eps, **kw)
+            self.k_norm = Norm(c.head_dim, "rmsnorm", c.norm_eps, **kw)
+
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int
+    ) -> torch.Tensor:
+        # [s, b, n, d] -> [b, n, s, d] for SDPA
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.cp > 1:
+            out = context_parallel_attention(
+                q, k, v, cp_group=self.cp_group, seq_len=seq_len, method=self.cp_method
+            )
+        else:
+            p = self.dropout if self.training else 0.0
+            if p > 0.0 and self.rng is not None:
+                with self.rng.fork():  # heads differ per tp rank: so must their dropout
+                    out = F.scaled_dot_product_attention(
+                        q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.heads != self.kv_heads
+                    )
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.heads != self.kv_heads
+                )
+        return out.permute(2, 0, 1, 3)  # [b, n, s, d] -> [s, b, n, d]
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
+    ) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s(/tp), b, h] -> [s, b, (n + 2 kv) d / tp]
+        s, b = qkv.shape[0], qkv.shape[1]
+        per_group = self.heads // self.kv_heads
+        qkv = qkv.view(s, b, self.kv_heads, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # [s, b, kv/tp, d]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.recompute_core and self.training:
+            out = checkpoint(self._core, q, k, v, seq_len, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, seq_len)
+        out = out.reshape(s, b, self.heads * self.head_dim)
+        result: torch.Tensor = self.proj(out)  # [s, b, n d / tp] -> [s(/tp), b, h]
+        return result

@@ -1,0 +1,151 @@
+"""Context parallelism: the sequence split over ``cp`` ranks, attention exchanging K/V.
+
+The sequence is cut into ``2 * cp`` equal chunks and rank ``r`` holds chunks ``r`` and
+``2 * cp - 1 - r`` (zig-zag), so that under a causal mask every rank does the same work.
+Two ways to attend: ``"ring"`` passes K/V blocks around the cp ring and merges the partial
+results by their log-sum-exp in fp32; ``"all_gather"`` gathers K/V once and runs one masked
+attention. Gradients flow back through the same exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+__all__ = ["context_parallel_attention", "zigzag_positions", "zigzag_split"]
+
+
+def zigzag_positions(
+    seq_len: int, cp: int, rank: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Absolute positions of the tokens that cp rank ``rank`` holds, in local order."""
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"sequence length ({seq_len}) is not divisible by 2*cp ({2 * cp}); "
+            f"use a multiple of {2 * cp}"
+        )
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last_idx = 2 * cp - 1 - rank
+    second = torch.arange(last_idx * chunk, (last_idx + 1) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def zigzag_split(x: torch.Tensor, cp: int, rank: int, dim: int = 0) -> torch.Tensor:
+    """This cp rank's zig-zag share of ``x`` along ``dim`` (the sequence dimension)."""
+    if cp == 1:
+        return x
+    positions = zigzag_positions(x.shape[dim], cp, rank, device=x.device)
+    return x.index_select(dim, positions)
+
+
+class _RingShift(torch.autograd.Function):
+    """fwd: send to the next cp rank, receive from the previous · bwd: the reverse."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _shift(x, group, +1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _shift(grad, ctx.group, -1), None
+
+
+def _shift(x: torch.Tensor, group: ProcessGroup, step: int) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    dst = dist.get_global_rank(group, (rank + step) % size)
+    src = dist.get_global_rank(group, (rank - step) % size)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return out
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """fwd: all-gather along dim 0 · bwd: reduce-scatter along dim 0."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        x = x.contiguous()
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        size = dist.get_world_size(ctx.group)
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def _block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalised attention of one K/V block in fp32: (row max, row sum, weighted values)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [b, n, sq, sk]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    probs = torch.exp(scores - row_max)
+    return row_max, probs.sum(dim=-1, keepdim=True), torch.matmul(probs, v.float())
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cp_group: ProcessGroup,
+    seq_len: int,
+    method: Literal["ring", "all_gather"] = "ring",
+) -> torch.Tensor:
+    """Causal attention of this rank's zig-zag share of the sequence.
+
+    ``q`` is ``[b, n, s/cp, d]``, ``k`` and ``v`` are ``[b, n_kv, s/cp, d]`` (GQA: n_kv
+    divides n), all in the local zig-zag order; returns ``[b, n, s/cp, d]`` in q's dtype.
+    """
+    cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    groups = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    q_pos = zigzag_positions(seq_len, cp, rank, device=q.device)
+    kv = torch.stack([k, v])  # [2, b, n_kv, s/cp, d]: one message per exchange
+    if method == "all_gather":
+        gathered = _AllGatherSeq.apply(kv.permute(3, 0, 1, 2, 4), cp_group)  # [s, 2, b, n_kv, d]
+        k_all, v_all = gathered.permute(1, 2, 3, 0, 4)
+        k_pos = torch.cat([zigzag_positions(seq_len, cp, r, device=q.device) for r in range(cp)])
+        mask = q_pos[:, None] >= k_pos[None, :]
+        return F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=mask, enable_gqa=groups > 1
+        )
+    if method != "ring":
+        raise ValueError(f"context-parallel method ({method!r}) must be 'ring' or 'all_gather'")
+    out = total = running_max = None
+    for step in range(cp):
+        src = (rank - step) % cp
+        k_blk, v_blk = kv[0], kv[1]
+        if groups > 1:
+            k_blk = k_blk.repeat_interleave(groups, dim=1)
+            v_blk = v_blk.repeat_interleave(groups, dim=1)
+        mask = q_pos[:, None] >= zigzag_positions(seq_len, cp, src, device=q.device)[None, :]
+        m, s, o = _block(q, k_blk, v_blk, mask, scale)
+        if out is None or total is None or running_max is None:
+            out, total, running_max = o, s, m
+        else:  # merge by log-sum-exp, in fp32
+            new_max = torch.maximum(running_max, m)
+            a, b = torch.exp(running_max - new_max), torch.exp(m - new_max)
+            out, total, running_max = out * a + o * b, total * a + s * b, new_max
+        if step < cp - 1:
+            kv = _RingShift.apply(kv, cp_group)
+    assert out is not None and total is not None
+    return (out / total).to(q.dtype)

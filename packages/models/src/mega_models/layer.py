@@ -1,0 +1,102 @@
+"""One pre-norm transformer layer, and the RNG-aware activation recomputation around it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from mega_models.attention import SelfAttention
+from mega_models.config import GPTConfig
+from mega_models.mlp import MLP
+from mega_models.norms import Norm
+from mega_tp_layers import RNGStatesTracker
+
+__all__ = ["TransformerLayer", "rng_checkpoint_contexts"]
+
+
+def rng_checkpoint_contexts(
+    tracker: RNGStatesTracker | None,
+) -> Callable[[], tuple[AbstractContextManager[None], AbstractContextManager[None]]]:
+    """``context_fn`` for ``torch.utils.checkpoint``: replay the tracked RNG on recompute.
+
+    Checkpointing restores the default generators itself; the tracked (per-tp-rank)
+    states are ours: the recompute starts from the states the forward started from, and
+    the states after it are put back, so dropout masks are the same both times.
+    """
+
+    def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        if tracker is None:
+            return nullcontext(), nullcontext()
+        saved: dict[str, torch.Tensor] = {}
+
+        @contextmanager
+        def forward() -> Iterator[None]:
+            saved.update(tracker.state_dict())
+            yield
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            after = tracker.state_dict()
+            tracker.load_state_dict(saved)
+            try:
+                yield
+            finally:
+                tracker.load_state_dict(after)
+
+        return forward(), recompute()
+
+    return contexts
+
+
+class TransformerLayer(nn.Module):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` on ``[s(/tp), b, h]``."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        *,
+        tp_group: ProcessGroup,
+        cp_group: ProcessGroup,
+        sequence_parallel: bool,
+        cp_method: Literal["ring", "all_gather"] = "ring",
+        recompute_core: bool = False,
+        rng: RNGStatesTracker | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        c = config
+        norm_kw: dict[str, Any] = {"tp_group": tp_group, "partial_grads": sequence_parallel,
+                                   "device": device, "dtype": dtype}  # fmt: skip
+        self.input_norm = Norm(c.hidden_size, c.norm, c.norm_eps, **norm_kw)
+        self.attention = SelfAttention(
+            c, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel,
+            cp_method=cp_method, recompute_core=recompute_core, rng=rng, device=device, dtype=dtype,
+        )  # fmt: skip
+        self.mlp_norm = Norm(c.hidden_size, c.norm, c.norm_eps, **norm_kw)
+        self.mlp = MLP(
+            c, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype
+        )
+        self.hidden_dropout = c.hidden_dropout
+        self.sequence_parallel = sequence_parallel
+        self.rng = rng
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        if self.sequence_parallel and self.rng is not None:
+            with self.rng.fork():  # sequence shards differ per tp rank: so must the masks
+                return F.dropout(x, self.hidden_dropout)
+        return F.dropout(x, self.hidden_dropout)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
+    ) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.input_norm(x), rope, seq_len))
+        return x + self._dropout(self.mlp(self.mlp_norm(x)))

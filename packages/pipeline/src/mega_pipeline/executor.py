@@ -1,0 +1,239 @@
+"""Run a rank's plan: exchange tensors, then forward or backward one microbatch of one chunk."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mega_pipeline.chunk import DataIterator, ForwardStep, LossOutput, StageChunk
+from mega_pipeline.memory import backward_from, deallocate_output
+from mega_pipeline.order import Action
+from mega_pipeline.p2p import P2PCommunicator
+from mega_pipeline.plan import Message, Step, virtual_stage
+
+__all__ = ["Hooks", "run_plan"]
+
+Key = tuple[int, int]  # (microbatch, chunk)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Callbacks a data-parallel wrapper (or a loss scaler) hangs on the schedule."""
+
+    grad_sync_func: Callable[[int], None] | None = None
+    """Called with a chunk's index right after that chunk's last backward on this rank."""
+    no_sync_func: Callable[[int], AbstractContextManager[Any]] | None = None
+    """Context for every backward of a chunk except its last (gradient sync disabled)."""
+    grad_scale_func: Callable[[Tensor], Tensor] | None = None
+    """Scales the loss before backward (fp16 loss scaling); returned losses are unscaled."""
+
+
+def _split_loss(result: LossOutput) -> tuple[Tensor, Mapping[str, Tensor]]:
+    logs: Mapping[str, Tensor]
+    if isinstance(result, Tensor):
+        loss, logs = result, {}
+    elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Tensor):
+        loss, logs = result
+    else:
+        raise TypeError(
+            f"loss_func returned {type(result).__name__}; return a scalar loss tensor or "
+            "(loss, {name: tensor}) for logging"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_func returned a loss of shape {tuple(loss.shape)}; return one scalar per "
+            "microbatch (e.g. the mean over its tokens)"
+        )
+    return loss, logs
+
+
+@dataclass
+class _State:
+    inputs: dict[Key, Tensor]
+    outputs: dict[Key, Tensor]
+    output_grads: dict[Key, Tensor]
+    input_grads: dict[Key, Tensor]
+    losses: dict[int, dict[str, Tensor]]
+
+
+class _Runner:
+    def __init__(
+        self,
+        *,
+        forward_step: ForwardStep,
+        chunks: Sequence[nn.Module],
+        data_iterators: Sequence[DataIterator],
+        communicator: P2PCommunicator | None,
+        pp: int,
+        pp_rank: int,
+        num_microbatches: int,
+        forward_only: bool,
+        hooks: Hooks,
+    ) -> None:
+        self.forward_step = forward_step
+        self.chunks = chunks
+        self.data_iterators = data_iterators
+        self.comm = communicator
+        self.pp = pp
+        self.pp_rank = pp_rank
+        self.m = num_microbatches
+        self.forward_only = forward_only
+        self.hooks = hooks
+        self.num_stages = pp * len(chunks)
+        self.state = _State({}, {}, {}, {}, {})
+
+    def _stage(self, chunk: int) -> int:
+        return virtual_stage(self.pp, self.pp_rank, chunk)
+
+    def _sent(self, message: Message) -> Key:
+        """(microbatch, local chunk) of a message this rank sends."""
+        return message.microbatch, message.src_stage // self.pp
+
+    def _received(self, message: Message) -> Key:
+        """(microbatch, local chunk) of a message this rank receives."""
+        return message.microbatch, message.dst_stage // self.pp
+
+    def exchange(self, step: Step) -> None:
+        ex = step.exchange
+        if ex.is_empty():
+            return
+        assert self.comm is not None, "a plan with exchanges needs a communicator"
+        s = self.state
+        out_key = None if ex.send_next is None else self._sent(ex.send_next)
+        grad_key = None if ex.send_prev is None else self._sent(ex.send_prev)
+        in_key = None if ex.recv_prev is None else self._received(ex.recv_prev)
+        back_key = None if ex.recv_next is None else self._received(ex.recv_next)
+        from_prev, from_next = self.comm.exchange(
+            send_next=None if out_key is None else s.outputs[out_key],
+            send_prev=None if grad_key is None else s.input_grads.pop(grad_key),
+            recv_prev=in_key is not None,
+            recv_next=back_key is not None,
+            # a gradient has the shape of the activation it belongs to (kept when freed)
+            recv_next_shape=None if back_key is None else s.outputs[back_key].shape,
+        )
+        if out_key is not None:
+            if self.forward_only:
+                del s.outputs[out_key]
+            else:
+                deallocate_output(s.outputs[out_key])
+        if in_key is not None:
+            assert from_prev is not None
+            s.inputs[in_key] = from_prev.requires_grad_(not self.forward_only)
+        if back_key is not None:
+            assert from_next is not None
+            s.output_grads[back_key] = from_next
+
+    def forward(self, action: Action) -> None:
+        s = self.state
+        key = (action.microbatch, action.chunk)
+        stage = self._stage(action.chunk)
+        input_tensor = s.inputs.pop(key, None) if self.forward_only else s.inputs.get(key)
+        assert (input_tensor is None) == (stage == 0), f"missing input for {action}"
+        view = StageChunk(
+            self.chunks[action.chunk],
+            input_tensor,
+            chunk=action.chunk,
+            microbatch=action.microbatch,
+            is_first_stage=stage == 0,
+            is_last_stage=stage == self.num_stages - 1,
+        )
+        grad_mode = torch.no_grad() if self.forward_only else contextlib.nullcontext()
+        with grad_mode:
+            result = self.forward_step(self.data_iterators[action.chunk], view)
+            if not (
+                isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Tensor)
+            ):
+                raise TypeError(
+                    f"forward_step returned {type(result).__name__}; it must return "
+                    "(output_tensor, loss_func)"
+                )
+            output, loss_func = result
+            if stage < self.num_stages - 1:
+                s.outputs[key] = output
+                return
+            loss, logs = _split_loss(loss_func(output))
+        record = {name: value.detach() for name, value in logs.items()}
+        record.setdefault("loss", loss.detach())
+        s.losses[action.microbatch] = record
+        if not self.forward_only:
+            scaled = loss / self.m
+            if self.hooks.grad_scale_func is not None:
+                scaled = self.hooks.grad_scale_func(scaled)
+            s.outputs[key] = scaled
+
+    def backward(self, action: Action, last_of_chunk: bool) -> None:
+        s = self.state
+        key = (action.microbatch, action.chunk)
+        stage = self._stage(action.chunk)
+        output = s.outputs.pop(key)
+        grad = s.output_grads.pop(key, None)
+        input_tensor = s.inputs.pop(key, None)
+        no_sync = self.hooks.no_sync_func
+        context = no_sync(action.chunk) if no_sync is not None and not last_of_chunk else None
+        with context if context is not None else contextlib.nullcontext():
+            backward_from(output, grad)
+        if stage > 0:
+            assert input_tensor is not None
+            input_grad = input_tensor.grad
+            s.input_grads[key] = (
+                input_grad if input_grad is not None else torch.zeros_like(input_tensor)
+            )
+        if last_of_chunk and self.hooks.grad_sync_func is not None:
+            self.hooks.grad_sync_func(action.chunk)
+
+
+def _last_backwards(steps: Sequence[Step]) -> set[int]:
+    """Indices of the steps holding each chunk's last backward."""
+    last: dict[int, int] = {}
+    for i, step in enumerate(steps):
+        if step.action is not None and step.action.kind == "B":
+            last[step.action.chunk] = i
+    return set(last.values())
+
+
+def run_plan(
+    steps: Sequence[Step],
+    *,
+    forward_step: ForwardStep,
+    chunks: Sequence[nn.Module],
+    data_iterators: Sequence[DataIterator],
+    communicator: P2PCommunicator | None,
+    pp: int,
+    pp_rank: int,
+    num_microbatches: int,
+    forward_only: bool,
+    hooks: Hooks,
+) -> list[dict[str, Tensor]]:
+    """Follow ``steps`` on this rank; return the per-microbatch losses on the last stage."""
+    runner = _Runner(
+        forward_step=forward_step,
+        chunks=chunks,
+        data_iterators=data_iterators,
+        communicator=communicator,
+        pp=pp,
+        pp_rank=pp_rank,
+        num_microbatches=num_microbatches,
+        forward_only=forward_only,
+        hooks=hooks,
+    )
+    last = _last_backwards(steps)
+    for i, step in enumerate(steps):
+        runner.exchange(step)
+        action = step.action
+        if action is None:
+            continue
+        if action.kind == "F":
+            runner.forward(action)
+        else:
+            runner.backward(action, last_of_chunk=i in last)
+    s = runner.state
+    assert not (s.inputs or s.outputs or s.output_grads or s.input_grads), (
+        "plan left tensors behind"
+    )
+    return [s.losses[i] for i in sorted(s.losses)]

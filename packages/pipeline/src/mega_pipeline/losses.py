@@ -1,0 +1,60 @@
+"""Share the last stage's per-microbatch losses with every pipeline rank, for logging."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+__all__ = ["broadcast_losses"]
+
+
+def broadcast_losses(
+    losses: Sequence[dict[str, Tensor]],
+    pp_group: ProcessGroup,
+    *,
+    device: torch.device | str | None = None,
+) -> list[dict[str, Tensor]]:
+    """Give every rank of ``pp_group`` the losses the schedule returned on its last rank.
+
+    Call on every rank of the group with what the schedule returned there (an empty list
+    except on the last rank). Each value must be a scalar; they come back as fp32
+    scalars on ``device`` (default: the current CUDA device under NCCL, else the CPU).
+    Three small broadcasts; nothing is sent when the group has one rank.
+    """
+    size = dist.get_world_size(pp_group)
+    if size == 1:
+        return list(losses)
+    if device is None:
+        nccl = dist.get_backend(pp_group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    src = dist.get_global_rank(pp_group, size - 1)
+    is_src = dist.get_rank(pp_group) == size - 1
+    names = sorted(losses[0]) if is_src and losses else []
+    if is_src:
+        for record in losses:
+            if sorted(record) != names or any(v.numel() != 1 for v in record.values()):
+                raise ValueError(
+                    "broadcast_losses needs every microbatch to log the same scalar names; "
+                    f"got {sorted(record)} after {names}"
+                )
+    encoded = "\0".join(names).encode()
+    header = torch.tensor([len(losses), len(names), len(encoded)], dtype=torch.int64, device=device)
+    dist.broadcast(header, src, group=pp_group)
+    m, k, nbytes = (int(v) for v in header.tolist())
+    if m == 0 or k == 0:
+        return [{} for _ in range(m)]
+    values = torch.empty((m, k), dtype=torch.float32, device=device)
+    text = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    if is_src:
+        values.copy_(
+            torch.stack([torch.stack([r[n].float().reshape(()) for n in names]) for r in losses])
+        )
+        text.copy_(torch.tensor(list(encoded), dtype=torch.uint8))
+    dist.broadcast(values, src, group=pp_group)
+    dist.broadcast(text, src, group=pp_group)
+    names = bytes(text.cpu().tolist()).decode().split("\0")
+    return [{n: values[i, j] for j, n in enumerate(names)} for i in range(m)]

@@ -1,0 +1,291 @@
+"""Contract: every schedule gives the losses and gradients of the unsplit stack.
+
+A stack of 8 small layers (hidden 16) is split into pp*vpp virtual stages; each rank
+also builds the whole stack and runs plain gradient accumulation over the same
+microbatches as the reference. One rank-function call per (pp, vpp) checks, for
+m in {pp, 2pp, 4pp}: losses and gradients, forward_only losses, the executed order of
+forward and backward passes against the pure schedule, the gradient-sync hooks, the peak
+number of microbatches in flight and the freeing of sent outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from collections.abc import Iterator
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from mega_parallel_grid.testing import DistPool, rank_device
+from mega_pipeline import (
+    Action,
+    LossFunc,
+    P2PCommunicator,
+    StageChunk,
+    broadcast_losses,
+    get_forward_backward_func,
+    interleaved_order,
+    no_pipelining_order,
+    one_f_one_b_order,
+    peak_in_flight,
+    rank_layer_ranges,
+)
+from mega_pipeline.memory import is_deallocated
+
+H = 16
+LAYERS = 8
+SHAPE = (2, 3, H)  # [s, b, h]: activations are sequence-first
+# fp32 on CPU: the same operations run in the same order on both sides; the tolerance
+# covers float rounding should a backend reorder a sum (reduction or gemm blocking).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _stack() -> list[nn.Module]:
+    """Layers alternate ending in tanh (its output saved for backward) and in Linear (not)."""
+    gen = torch.Generator().manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(LAYERS):
+        linear = nn.Linear(H, H)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(H, H, generator=gen) / H**0.5)
+            linear.bias.copy_(torch.randn(H, generator=gen) * 0.1)
+        layers.append(
+            nn.Sequential(linear, nn.Tanh()) if i % 2 == 0 else nn.Sequential(nn.Tanh(), linear)
+        )
+    return layers
+
+
+def _batches(m: int, seq_lens: list[int] | None = None) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(m):
+        shape = SHAPE if seq_lens is None else (seq_lens[i], *SHAPE[1:])
+        out.append((torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)))
+    return out
+
+
+def _reference(
+    m: int, batches: list[tuple[Tensor, Tensor]], device: torch.device
+) -> tuple[list[float], list[Tensor]]:
+    """Plain gradient accumulation on the unsplit stack, on this rank's device."""
+    model = nn.Sequential(*_stack()).to(device)
+    losses = []
+    for x, y in batches:
+        loss = F.mse_loss(model(x.to(device)), y.to(device))
+        torch.autograd.backward(loss / m)
+        losses.append(loss.item())
+    return losses, [_grad(p).cpu() for p in model.parameters()]
+
+
+def _grad(p: Tensor) -> Tensor:
+    assert p.grad is not None
+    return p.grad
+
+
+class _Recorder:
+    """forward_step plus the hooks, recording what runs in which order."""
+
+    def __init__(self, device: torch.device, last_rank: bool) -> None:
+        self.device = device
+        self.trace: list[tuple[Any, ...]] = []
+        self.no_sync: int | None = None
+        self.live: list[weakref.ref[Tensor]] = []
+        self.peak_live = 0
+        self.sync_grads: dict[int, list[Tensor]] = {}
+        self.chunks: list[nn.Module] = []
+
+    def forward_step(self, it: Iterator[Any] | None, chunk: StageChunk) -> tuple[Tensor, LossFunc]:
+        assert it is not None
+        mb, x, y = next(it)
+        assert mb == chunk.microbatch, "each chunk reads its microbatches in order"
+        assert (chunk.input_tensor is None) == chunk.is_first_stage
+        self.trace.append(("F", mb, chunk.chunk))
+        out = chunk(x.to(self.device))
+        if out.requires_grad:
+            ref = weakref.ref(out)
+            last = chunk.is_last_stage
+            key = (mb, chunk.chunk)
+
+            def on_backward(grad: Tensor) -> None:
+                t = ref()
+                freed = t is not None and is_deallocated(t)
+                self.trace.append(("B", *key, self.no_sync, freed or last))
+
+            out.register_hook(on_backward)
+            self.live = [r for r in self.live if r() is not None] + [ref]
+            self.peak_live = max(self.peak_live, len(self.live))
+        return out, partial(self.loss, y=y.to(self.device))
+
+    @staticmethod
+    def loss(out: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        loss = F.mse_loss(out, y)
+        return loss, {"loss": loss.detach(), "out_mean": out.detach().mean()}
+
+    def grad_sync(self, chunk: int) -> None:
+        self.trace.append(("sync", chunk))
+        self.sync_grads[chunk] = [_grad(p).clone() for p in self.chunks[chunk].parameters()]
+
+    @contextlib.contextmanager
+    def no_sync_ctx(self, chunk: int) -> Iterator[None]:
+        assert self.no_sync is None
+        self.no_sync = chunk
+        try:
+            yield
+        finally:
+            self.no_sync = None
+
+
+def _expected_order(pp: int, vpp: int, rank: int, m: int, forward_only: bool) -> list[Action]:
+    if pp == 1:
+        return no_pipelining_order(m, forward_only)
+    if vpp == 1:
+        return one_f_one_b_order(pp, rank, m, forward_only)
+    return interleaved_order(pp, vpp, rank, m, forward_only)
+
+
+def _pp_group() -> tuple[ProcessGroup, int]:
+    """All ranks form one pipeline (a plain group: these tests need no other dimension)."""
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=60))
+    assert isinstance(group, ProcessGroup)
+    return group, dist.get_rank(group)
+
+
+def _check_schedules(pp: int, vpp: int, variable: bool = False) -> list[float]:
+    pp_group, rank = _pp_group()
+    device = rank_device()
+    comm = P2PCommunicator(
+        pp_group,
+        tensor_shape=None if variable else SHAPE,
+        variable_shapes=variable,
+        dtype=torch.float32,
+    )
+    layers = _stack()
+    ranges = rank_layer_ranges(LAYERS, pp, rank, vpp)
+    chunks: list[nn.Module] = [
+        nn.Sequential(*[copy.deepcopy(layers[i]) for i in r]).to(device) for r in ranges
+    ]
+    schedule = get_forward_backward_func(pp, vpp)
+    last_rank = rank == pp - 1
+    all_losses: list[float] = []
+    for m in (pp, 2 * pp, 4 * pp):
+        seq_lens = [1 + i % 3 for i in range(m)] if variable else None
+        batches = _batches(m, seq_lens)
+        ref_losses, ref_grads = _reference(m, batches, device)
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        rec = _Recorder(device, last_rank)
+        rec.chunks = chunks
+        its = [iter([(i, x, y) for i, (x, y) in enumerate(batches)]) for _ in chunks]
+        losses = schedule(
+            forward_step=rec.forward_step,
+            data_iterator=its if vpp > 1 else its[0],
+            model=chunks if vpp > 1 else chunks[0],
+            num_microbatches=m,
+            communicator=comm,
+            grad_sync_func=rec.grad_sync,
+            no_sync_func=rec.no_sync_ctx,
+        )
+        # losses on the last stage only, equal to the reference; shared for logging
+        assert len(losses) == (m if last_rank else 0)
+        shared = broadcast_losses(losses, pp_group)
+        got = torch.stack([d["loss"] for d in shared]).cpu()
+        torch.testing.assert_close(got, torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+        assert sorted(shared[0]) == ["loss", "out_mean"]
+        all_losses += got.tolist()
+        # gradients of this rank's layers equal the unsplit stack's
+        for c, r in zip(chunks, ranges, strict=True):
+            first = 2 * r.start  # two parameters (weight, bias) per layer
+            for p, ref in zip(c.parameters(), ref_grads[first : 2 * r.stop], strict=True):
+                torch.testing.assert_close(_grad(p).cpu(), ref, rtol=RTOL, atol=ATOL)
+        # executed order == pure schedule (the textbook order is checked in test_order)
+        executed = [Action(e[0], e[1], e[2]) for e in rec.trace if e[0] in ("F", "B")]
+        expected = _expected_order(pp, vpp, rank, m, False)
+        assert executed == expected
+        # each chunk's sync hook fires once, right after its last backward, with final grads
+        for ci, c in enumerate(chunks):
+            syncs = [i for i, e in enumerate(rec.trace) if e == ("sync", ci)]
+            backs = [i for i, e in enumerate(rec.trace) if e[0] == "B" and e[2] == ci]
+            assert len(syncs) == 1 and syncs[0] == backs[-1] + 1
+            for snap, p in zip(rec.sync_grads[ci], c.parameters(), strict=True):
+                assert torch.equal(snap, _grad(p))
+            # every backward of the chunk but the last runs with grad sync disabled
+            modes = [rec.trace[i][3] for i in backs]
+            assert modes == [ci] * (len(backs) - 1) + [None]
+        # sent outputs were freed before their backward; in-flight bounded by the schedule
+        assert all(e[4] for e in rec.trace if e[0] == "B")
+        assert rec.peak_live <= peak_in_flight(expected)
+        if vpp == 1:
+            assert peak_in_flight(executed) == min(pp - rank, m)
+        # forward_only: same losses, no gradients, forward order only
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        rec = _Recorder(device, last_rank)
+        its = [iter([(i, x, y) for i, (x, y) in enumerate(batches)]) for _ in chunks]
+        losses = schedule(
+            forward_step=rec.forward_step,
+            data_iterator=its if vpp > 1 else its[0],
+            model=chunks if vpp > 1 else chunks[0],
+            num_microbatches=m,
+            communicator=comm,
+            forward_only=True,
+            grad_sync_func=rec.grad_sync,
+        )
+        if last_rank:
+            got = torch.stack([d["loss"] for d in losses]).cpu()
+            torch.testing.assert_close(got, torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+        assert all(p.grad is None for c in chunks for p in c.parameters())
+        assert [Action(*e[:3]) for e in rec.trace] == _expected_order(pp, vpp, rank, m, True)
+    return all_losses
+
+
+@pytest.mark.parametrize(("pp", "vpp"), [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
+def test_schedule_matches_gradient_accumulation(dist_pool: DistPool, pp: int, vpp: int) -> None:
+    results = dist_pool.run(_check_schedules, pp, args=(pp, vpp))
+    assert all(r == results[0] for r in results)  # every rank logged the same losses
+
+
+def test_variable_shapes_match(dist_pool: DistPool) -> None:
+    """Sequence length changes per microbatch; shapes travel ahead of each activation."""
+    dist_pool.run(_check_schedules, 2, args=(2, 2, True))
+
+
+def _check_grad_scale() -> None:
+    pp_group, rank = _pp_group()
+    device = rank_device()
+    comm = P2PCommunicator(pp_group, tensor_shape=SHAPE)
+    layers = _stack()
+    (r,) = rank_layer_ranges(LAYERS, 2, rank)
+    chunk = nn.Sequential(*[layers[i] for i in r]).to(device)
+    batches = _batches(4)
+    ref_losses, ref_grads = _reference(4, batches, device)
+    rec = _Recorder(device, rank == 1)
+    losses = get_forward_backward_func(2)(
+        forward_step=rec.forward_step,
+        data_iterator=iter([(i, x, y) for i, (x, y) in enumerate(batches)]),
+        model=chunk,
+        num_microbatches=4,
+        communicator=comm,
+        grad_scale_func=lambda loss: loss * 8.0,
+    )
+    if rank == 1:  # returned losses are unscaled
+        torch.testing.assert_close(
+            torch.stack([d["loss"] for d in losses]).cpu(),
+            torch.tensor(ref_losses),
+            rtol=RTOL,
+            atol=ATOL,
+        )
+    for p, ref in zip(chunk.parameters(), ref_grads[2 * r.start : 2 * r.stop], strict=True):
+        torch.testing.assert_close(_grad(p).cpu(), ref * 8.0, rtol=RTOL, atol=ATOL)
+
+
+def test_grad_scale_func_scales_gradients_only(dist_pool: DistPool) -> None:
+    dist_pool.run(_check_grad_scale, 2)

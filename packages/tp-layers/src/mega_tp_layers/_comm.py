@@ -1,0 +1,105 @@
+"""Raw collectives on contiguous memory, shared by the mappings and the layers.
+
+Every helper calls ``torch.distributed`` through the module attribute at call time (so a
+test can count the calls) and assumes a group of more than one rank: callers return early
+for size-1 groups, which therefore issue nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "all_gather_dim0",
+    "all_gather_last_dim",
+    "all_reduce",
+    "check_divisible_dim0",
+    "check_group",
+    "group_rank",
+    "group_size",
+    "reduce_scatter_dim0",
+    "split_last_dim",
+]
+
+
+def group_size(group: ProcessGroup) -> int:
+    """Number of ranks in ``group``."""
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """This process's index in ``group``."""
+    return dist.get_rank(group)
+
+
+def check_group(tp_group: object, owner: str) -> ProcessGroup:
+    """Reject anything that is not a process group, in one sentence."""
+    if not isinstance(tp_group, ProcessGroup):
+        raise TypeError(
+            f"{owner} needs tp_group to be a torch.distributed ProcessGroup, got "
+            f"{type(tp_group).__name__}; pass e.g. init_process_groups(config).tp"
+        )
+    return tp_group
+
+
+def check_divisible_dim0(x: Tensor, size: int, what: str) -> None:
+    """Raise one sentence when dim 0 (the sequence) cannot be split ``size`` ways."""
+    if x.dim() == 0:
+        raise ValueError(
+            f"{what} needs a tensor with a leading sequence dimension, got a 0-d tensor; "
+            "pass sequence-first activations [s, b, h]"
+        )
+    if x.shape[0] % size != 0:
+        raise ValueError(
+            f"sequence length ({x.shape[0]}) is not divisible by tp ({size}) in {what}; "
+            f"pad the sequence to a multiple of {size} or turn sequence_parallel off"
+        )
+
+
+def all_reduce(x: Tensor, group: ProcessGroup, async_op: bool = False) -> dist.Work | None:
+    """Sum ``x`` in place across ``group``; returns the handle when ``async_op``."""
+    return dist.all_reduce(x, group=group, async_op=async_op)
+
+
+def all_gather_dim0(
+    x: Tensor, group: ProcessGroup, async_op: bool = False
+) -> tuple[Tensor, dist.Work | None]:
+    """Concatenate every rank's ``x`` along dim 0: ``[n, ...] -> [n*size, ...]``."""
+    x = x.contiguous()
+    out = torch.empty(
+        (x.shape[0] * group_size(group), *x.shape[1:]), dtype=x.dtype, device=x.device
+    )
+    work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
+    return out, work
+
+
+def reduce_scatter_dim0(
+    x: Tensor, group: ProcessGroup, async_op: bool = False
+) -> tuple[Tensor, dist.Work | None]:
+    """Sum across ranks and keep this rank's slice of dim 0: ``[n, ...] -> [n/size, ...]``."""
+    size = group_size(group)
+    assert x.shape[0] % size == 0, "callers check divisibility"
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+    return out, work
+
+
+def all_gather_last_dim(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Concatenate every rank's ``x`` along the last dim: ``[..., n] -> [..., n*size]``."""
+    stacked, _ = all_gather_dim0(x.unsqueeze(0), group)  # [size, ..., n]
+    return torch.cat(stacked.unbind(0), dim=-1)
+
+
+def split_last_dim(x: Tensor, group: ProcessGroup) -> Tensor:
+    """This rank's contiguous slice of the last dim: ``[..., n] -> [..., n/size]``."""
+    size = group_size(group)
+    if x.shape[-1] % size != 0:
+        raise ValueError(
+            f"last dimension ({x.shape[-1]}) is not divisible by tp ({size}); "
+            f"make the split dimension a multiple of {size}"
+        )
+    return x.chunk(size, dim=-1)[group_rank(group)].contiguous()

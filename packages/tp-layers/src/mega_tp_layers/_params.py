@@ -1,0 +1,86 @@
+"""A module base that creates sharded parameters and keeps their metadata through ``_apply``.
+
+``Module.to_empty`` (meta -> real device) replaces parameter objects, which drops
+attributes; this base puts ``mega_shard``, ``mega_init`` and ``mega_sequence_parallel``
+back on the new objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mega_tp_layers.grads import SEQUENCE_PARALLEL_ATTR
+from mega_tp_layers.init import INIT_ATTR, InitMethod, init_parameter, param_generator
+from mega_tp_layers.shard import SHARD_ATTR, ShardSpec, set_shard_spec
+
+__all__ = ["ShardedModule", "creation_generator"]
+
+
+def creation_generator(seed: int | None, name: str, param_name: str) -> torch.Generator:
+    """The generator a parameter is drawn from at construction.
+
+    With a seed: ``param_generator(seed, "<name>.<param_name>")``. Without: the default
+    CPU generator, which gives tp-independent weights when every rank starts from the
+    same torch seed and builds the same layers in the same order.
+    """
+    if seed is None:
+        return torch.default_generator
+    return param_generator(seed, f"{name}.{param_name}" if name else param_name)
+
+
+class ShardedModule(nn.Module):
+    """Base of the mega layers: parameters born with shard metadata and an init method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mega_attrs: dict[str, dict[str, Any]] = {}
+
+    def _make_param(
+        self,
+        name: str,
+        spec: ShardSpec,
+        init_method: InitMethod,
+        *,
+        generator: torch.Generator,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+        sequence_parallel: bool = False,
+    ) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype, device=device))
+        self.register_parameter(name, param)
+        self._adopt_param(
+            name, spec, init_method, generator=generator, sequence_parallel=sequence_parallel
+        )
+        return param
+
+    def _adopt_param(
+        self,
+        path: str,
+        spec: ShardSpec,
+        init_method: InitMethod,
+        *,
+        generator: torch.Generator,
+        sequence_parallel: bool = False,
+    ) -> None:
+        """Give the parameter at ``path`` (own or a child's) its metadata, then initialise it."""
+        param = self.get_parameter(path)
+        set_shard_spec(param, spec)
+        attrs: dict[str, Any] = {SHARD_ATTR: spec, INIT_ATTR: init_method}
+        if sequence_parallel:
+            attrs[SEQUENCE_PARALLEL_ATTR] = True
+        for key, value in attrs.items():
+            setattr(param, key, value)
+        self._mega_attrs[path] = attrs
+        init_parameter(param, generator)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        for path, attrs in self._mega_attrs.items():
+            param = self.get_parameter(path)
+            for key, value in attrs.items():
+                setattr(param, key, value)
+        return result

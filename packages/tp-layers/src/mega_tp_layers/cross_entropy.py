@@ -1,0 +1,126 @@
+"""Cross-entropy over a vocabulary split across tp ranks, never gathering the full logits.
+
+Per token: the max logit, the sum of exponentials and the target's logit are each made
+global by reductions over tp (one MAX all-reduce, then one SUM all-reduce carrying the
+sums together); the gradient ``softmax - target`` is then purely local.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd import Function
+from torch.distributed import ProcessGroup
+
+from mega_tp_layers._comm import all_reduce, group_rank, group_size
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+class _VocabParallelCrossEntropy(Function):
+    """fwd: loss from a MAX and a SUM all-reduce over tp · bwd: local softmax - target, no comm"""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: Tensor,
+        targets: Tensor,
+        group: ProcessGroup,
+        label_smoothing: float,
+        ignore_index: int,
+        vocab_size: int,
+    ) -> Tensor:
+        tp, rank = group_size(group), group_rank(group)
+        per_rank = logits.shape[-1]
+        start = rank * per_rank
+        valid = min(max(vocab_size - start, 0), per_rank)  # real (unpadded) columns here
+        shifted = logits.to(torch.float32, copy=True)  # the one fp32 working buffer [..., V/tp]
+        if valid < per_rank:  # padding columns take no part in the softmax
+            shifted[..., valid:] = float("-inf")
+        top = shifted.max(dim=-1).values  # [...]
+        if tp > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted.sub_(top.unsqueeze(-1))
+        outside = (targets < start) | (targets >= start + per_rank)
+        local_t = (targets - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
+        smooth_sum = shifted[..., :valid].sum(dim=-1) if label_smoothing > 0.0 else None
+        exp = shifted.exp_()  # padding columns: exp(-inf) = 0
+        parts = [target_logit.masked_fill(outside, 0.0), exp.sum(dim=-1)]
+        if smooth_sum is not None:
+            parts.append(smooth_sum)
+        stats = torch.stack(parts)  # [2 or 3, ...]
+        if tp > 1:
+            all_reduce(stats, group)
+        log_z = stats[1].log()
+        loss = log_z - stats[0]
+        if label_smoothing > 0.0:
+            smooth = log_z - stats[2] / vocab_size  # mean over the vocabulary of -log p
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+        ignored = targets == ignore_index
+        loss = loss.masked_fill(ignored, 0.0)
+        softmax = exp.div_(stats[1].unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, outside, ignored)
+        ctx.label_smoothing, ctx.valid, ctx.vocab_size = label_smoothing, valid, vocab_size
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+        softmax, local_t, outside, ignored = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        grad = softmax.clone()
+        hit = (~outside).to(grad.dtype) * (1.0 - eps)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1))
+        if eps > 0.0 and ctx.valid > 0:
+            grad[..., : ctx.valid] -= eps / ctx.vocab_size
+        grad.mul_(grad_loss.float().masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: Tensor,
+    targets: Tensor,
+    tp_group: ProcessGroup,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    *,
+    vocab_size: int | None = None,
+) -> Tensor:
+    """Per-token cross-entropy (fp32, shaped like ``targets``) from a vocabulary shard.
+
+    ``logits_shard`` is ``[..., V_pad/tp]``: this rank's contiguous slice of the (padded)
+    vocabulary, e.g. a ColumnParallelLinear output; ``targets`` holds global token ids,
+    shaped like the logits without their last dimension. ``vocab_size`` is the real
+    vocabulary when the shards carry padding columns, which are then left out of the
+    softmax (default: no padding). Matches ``F.cross_entropy(..., reduction="none")``,
+    including ``label_smoothing`` (spread over the real vocabulary) and ``ignore_index``
+    (loss and gradient 0). Computed in fp32 whatever the logits' dtype.
+    """
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(
+            f"vocab_parallel_cross_entropy expects integer targets, got dtype {targets.dtype}; "
+            "pass a torch.long tensor of token ids"
+        )
+    if logits_shard.dim() < 1 or tuple(logits_shard.shape[:-1]) != tuple(targets.shape):
+        raise ValueError(
+            f"logits shard shape {tuple(logits_shard.shape)} does not match targets shape "
+            f"{tuple(targets.shape)}; the logits need one more (vocabulary) dimension, last"
+        )
+    held = logits_shard.shape[-1] * group_size(tp_group)
+    if vocab_size is None:
+        vocab_size = held
+    if not 1 <= vocab_size <= held:
+        raise ValueError(
+            f"vocab_size ({vocab_size}) must lie in [1, {held}], the vocabulary the shards "
+            f"hold ({logits_shard.shape[-1]} per rank x tp {group_size(tp_group)})"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing ({label_smoothing}) must lie in [0, 1]")
+    loss: Tensor = _VocabParallelCrossEntropy.apply(
+        logits_shard, targets, tp_group, float(label_smoothing), ignore_index, vocab_size
+    )
+    return loss

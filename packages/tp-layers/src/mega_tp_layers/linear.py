@@ -1,0 +1,350 @@
+"""Column- and row-parallel linear layers (Megatron's tensor parallelism for one GEMM).
+
+``ColumnParallelLinear`` splits the weight's output rows: each rank computes
+``[s, b, out/tp]``. ``RowParallelLinear`` splits the input columns: each rank computes a
+partial ``[s, b, out]`` that one all-reduce (or, under sequence parallel, one
+reduce-scatter to ``[s/tp, b, out]``) completes. Column -> Row therefore costs one
+collective per block forward. Under sequence parallel the column layer all-gathers the
+sequence (``[s/tp, b, h] -> [s, b, h]``) before its GEMM.
+
+In the column layer's backward the input-gradient all-reduce (or reduce-scatter) is
+issued asynchronously and overlapped with the weight-gradient GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd import Function
+from torch.distributed import ProcessGroup
+
+from mega_tp_layers._comm import (
+    all_gather_dim0,
+    all_reduce,
+    check_divisible_dim0,
+    check_group,
+    group_rank,
+    group_size,
+    reduce_scatter_dim0,
+)
+from mega_tp_layers._params import ShardedModule, creation_generator
+from mega_tp_layers.init import InitMethod, Normal, PaddedRows, Zeros
+from mega_tp_layers.mappings import (
+    gather_from_tp_region,
+    reduce_from_tp_region_inplace,
+    reduce_scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+from mega_tp_layers.shard import ShardSpec
+from mega_tp_layers.te_backend import Backend, check_backend, te_linear
+from mega_tp_layers.vocab import padded_vocab_size
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_linear"]
+
+
+class _ColumnParallelMatmul(Function):
+    """fwd: (SP: all-gather dim 0) + GEMM · bwd: dgrad all-reduce/reduce-scatter overlaps wgrad"""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        group: ProcessGroup,
+        sequence_parallel: bool,
+    ) -> Tensor:
+        ctx.group = group
+        ctx.sequence_parallel = sequence_parallel
+        ctx.save_for_backward(x, weight)  # under SP only the local slice is kept
+        total = all_gather_dim0(x, group)[0] if sequence_parallel else x  # [s/tp,b,h] -> [s,b,h]
+        return F.linear(total, weight, bias)  # [s, b, h] -> [s, b, out/tp]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        group, sp = ctx.group, ctx.sequence_parallel
+        total, gather = x, None
+        if sp and need_w:  # rebuild the gathered input, overlapped with the dgrad GEMM
+            total, gather = all_gather_dim0(x, group, async_op=True)
+        grad_input, pending = None, None
+        if need_x:
+            grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
+            if sp:
+                if gather is not None:
+                    gather.wait()
+                    gather = None
+                grad_input, pending = reduce_scatter_dim0(grad_input, group, async_op=True)
+            else:
+                pending = all_reduce(grad_input, group, async_op=True)
+        if gather is not None:
+            gather.wait()
+        grad_weight = grad_bias = None
+        if need_w or need_b:  # runs while the input-gradient collective is in flight
+            grad_2d = grad.reshape(-1, grad.shape[-1])  # [s*b, out/tp]
+            if need_w:
+                grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+            if need_b:
+                grad_bias = grad_2d.sum(dim=0)
+        if pending is not None:
+            pending.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def column_parallel_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    tp_group: ProcessGroup,
+    sequence_parallel: bool = False,
+    gather_output: bool = False,
+) -> Tensor:
+    """``x @ weight.T + bias`` with ``weight`` split by output rows over ``tp_group``.
+
+    The functional form of :class:`ColumnParallelLinear`, e.g. for an output head tied to
+    a :class:`~mega_tp_layers.VocabParallelEmbedding` weight. ``x`` is ``[s, b, h]``
+    (``[s/tp, b, h]`` under sequence parallel); the result is ``[s, b, out/tp]``, or
+    ``[s, b, out]`` with ``gather_output``.
+    """
+    if group_size(tp_group) == 1:
+        return F.linear(x, weight, bias)
+    out: Tensor = _ColumnParallelMatmul.apply(x, weight, bias, tp_group, sequence_parallel)
+    if gather_output:
+        out = gather_from_tp_region(out, tp_group)  # [s, b, out/tp] -> [s, b, out]
+    return out
+
+
+def _check_features(owner: str, in_features: int, out_features: int) -> None:
+    for label, value in (("in_features", in_features), ("out_features", out_features)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner} {label} ({value!r}) must be a positive integer")
+
+
+def _check_input(owner: str, x: Tensor, expected: int, what: str, sp: bool, tp: int) -> None:
+    if x.dim() < (2 if sp else 1) or x.shape[-1] != expected:
+        layout = "sequence-first [s, b, ...]" if sp else "[..., features]"
+        raise ValueError(
+            f"{owner} expects a {layout} input whose last dimension is {what} ({expected}), "
+            f"got shape {tuple(x.shape)}; pass the activation this layer is built for"
+        )
+    if sp:
+        check_divisible_dim0(x, tp, owner)
+
+
+class ColumnParallelLinear(ShardedModule):
+    """``y = x A^T + b`` with ``A`` (and ``b``) split by output rows over ``tp_group``.
+
+    Input ``[s, b, in]`` (``[s/tp, b, in]`` with ``sequence_parallel``, gathered before the
+    GEMM); output ``[s, b, out/tp]``, or ``[s, b, out]`` with ``gather_output``. With
+    ``skip_bias_add`` the bias is not added: read it from ``.bias`` and fuse it into what
+    follows. ``pad_out_features`` rounds ``out_features`` up to a multiple of tp with zero
+    rows, for a vocabulary head (see :func:`~mega_tp_layers.padded_vocab_size`).
+    Weights are drawn whole and sliced (``seed``/``name``: see ``mega_tp_layers.init``).
+    ``backend="te"`` runs the GEMM in Transformer Engine (unverified; its parameters then
+    live in ``.te_module``).
+    """
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group: ProcessGroup,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        skip_bias_add: bool = False,
+        pad_out_features: bool = False,
+        init_method: InitMethod | None = None,
+        seed: int | None = None,
+        name: str = "",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        group_name: str = "tp",
+        backend: Backend = "torch",
+    ) -> None:
+        super().__init__()
+        owner = "ColumnParallelLinear"
+        self.tp_group = check_group(tp_group, owner)
+        _check_features(owner, in_features, out_features)
+        self.backend = check_backend(backend)
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        full_out = padded_vocab_size(out_features, tp) if pad_out_features else out_features
+        if full_out % tp != 0:
+            raise ValueError(
+                f"out_features ({out_features}) is not divisible by tp ({tp}); choose a "
+                f"multiple of {tp}, or pad_out_features=True for a vocabulary head"
+            )
+        if skip_bias_add and gather_output:
+            raise ValueError(
+                "skip_bias_add=True with gather_output=True would return a gathered output "
+                "next to a sharded bias; add the bias in the layer or keep the output sharded"
+            )
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.out_features_per_rank = full_out // tp
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.skip_bias_add = skip_bias_add
+        w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
+        if full_out != out_features:
+            w_init = PaddedRows(w_init, out_features)
+        w_spec = ShardSpec(0, tp, rank, group_name, (full_out, in_features), False)
+        b_spec = ShardSpec(0, tp, rank, group_name, (full_out,), False)
+        gen_w = creation_generator(seed, name, "weight")
+        gen_b = creation_generator(seed, name, "bias")
+        if self.backend == "te":
+            self.te_module = te_linear(
+                in_features, full_out, parallel_mode="column", tp_group=tp_group, tp_size=tp,
+                sequence_parallel=sequence_parallel, bias=bias, return_bias=skip_bias_add,
+                dtype=dtype, device=device,
+            )  # fmt: skip
+            self._adopt_param("te_module.weight", w_spec, w_init, generator=gen_w)
+            if bias:
+                self._adopt_param("te_module.bias", b_spec, Zeros(), generator=gen_b)
+            return
+        self._make_param("weight", w_spec, w_init, generator=gen_w, dtype=dtype, device=device)
+        if bias:
+            self._make_param("bias", b_spec, Zeros(), generator=gen_b, dtype=dtype, device=device)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[s, b, in]`` (``[s/tp, b, in]`` under SP) -> ``[s, b, out/tp]`` (or gathered)."""
+        sp = self.sequence_parallel
+        _check_input("ColumnParallelLinear", x, self.in_features, "in_features", sp, 1)
+        if self.backend == "te":
+            out = self.te_module(x)
+            out = out[0] if self.skip_bias_add else out
+            if self.gather_output:
+                out = gather_from_tp_region(out, self.tp_group)
+            result: Tensor = out
+            return result
+        bias = None if self.skip_bias_add else self.bias
+        return column_parallel_linear(
+            x, self.weight, bias, tp_group=self.tp_group,
+            sequence_parallel=sp, gather_output=self.gather_output,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
+            f"out_per_rank={self.out_features_per_rank}, sequence_parallel="
+            f"{self.sequence_parallel}, gather_output={self.gather_output}, backend={self.backend}"
+        )
+
+
+class RowParallelLinear(ShardedModule):
+    """``y = x A^T + b`` with ``A`` split by input columns over ``tp_group``.
+
+    Input ``[s, b, in/tp]`` (``input_is_parallel=True``, e.g. a column layer's output) or
+    ``[s, b, in]`` (split here); the partial products are all-reduced into ``[s, b, out]``,
+    or reduce-scattered into ``[s/tp, b, out]`` with ``sequence_parallel``. The bias is
+    replicated and added once, after the reduction (or not at all with
+    ``skip_bias_add``: read it from ``.bias``). Under sequence parallel its gradient is
+    partial per rank: call :func:`~mega_tp_layers.sync_sequence_parallel_grads`.
+    """
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group: ProcessGroup,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        skip_bias_add: bool = False,
+        init_method: InitMethod | None = None,
+        seed: int | None = None,
+        name: str = "",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        group_name: str = "tp",
+        backend: Backend = "torch",
+    ) -> None:
+        super().__init__()
+        owner = "RowParallelLinear"
+        self.tp_group = check_group(tp_group, owner)
+        _check_features(owner, in_features, out_features)
+        self.backend = check_backend(backend)
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        if in_features % tp != 0:
+            raise ValueError(
+                f"in_features ({in_features}) is not divisible by tp ({tp}); "
+                f"choose a multiple of {tp}"
+            )
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "sequence_parallel=True needs input_is_parallel=True (a tp-sharded input); "
+                "feed the output of a ColumnParallelLinear"
+            )
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.in_features_per_rank = in_features // tp
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.skip_bias_add = skip_bias_add
+        w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
+        w_spec = ShardSpec(1, tp, rank, group_name, (out_features, in_features), False)
+        b_spec = ShardSpec(None, tp, rank, group_name, (out_features,), rank != 0)
+        gen_w = creation_generator(seed, name, "weight")
+        gen_b = creation_generator(seed, name, "bias")
+        if self.backend == "te":
+            self.te_module = te_linear(
+                in_features, out_features, parallel_mode="row", tp_group=tp_group, tp_size=tp,
+                sequence_parallel=sequence_parallel, bias=bias, return_bias=skip_bias_add,
+                dtype=dtype, device=device,
+            )  # fmt: skip
+            self._adopt_param("te_module.weight", w_spec, w_init, generator=gen_w)
+            if bias:
+                self._adopt_param(
+                    "te_module.bias", b_spec, Zeros(), generator=gen_b,
+                    sequence_parallel=sequence_parallel,
+                )  # fmt: skip
+            return
+        self._make_param("weight", w_spec, w_init, generator=gen_w, dtype=dtype, device=device)
+        if bias:
+            self._make_param(
+                "bias", b_spec, Zeros(), generator=gen_b, dtype=dtype, device=device,
+                sequence_parallel=sequence_parallel,
+            )  # fmt: skip
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[s, b, in/tp]`` -> ``[s, b, out]`` (``[s/tp, b, out]`` under SP)."""
+        owner, tp, group = "RowParallelLinear", self.tp, self.tp_group
+        if not self.input_is_parallel:
+            _check_input(owner, x, self.in_features, "in_features", False, 1)
+            x = scatter_to_tp_region(x, group)  # [s, b, in] -> [s, b, in/tp]
+        sp = self.sequence_parallel
+        _check_input(owner, x, self.in_features_per_rank, "in_features/tp", sp, tp)
+        if self.backend == "te":
+            out = self.te_module(x)
+            result: Tensor = out[0] if self.skip_bias_add else out
+            return result
+        bias = None if self.skip_bias_add else self.bias
+        if tp == 1:
+            return F.linear(x, self.weight, bias)
+        partial = F.linear(x, self.weight)  # [s, b, in/tp] -> [s, b, out], partial over tp
+        if sp:
+            out = reduce_scatter_to_sequence_region(partial, group)  # -> [s/tp, b, out]
+        else:
+            out = reduce_from_tp_region_inplace(partial, group)  # -> [s, b, out]
+        return out if bias is None else out + bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
+            f"in_per_rank={self.in_features_per_rank}, sequence_parallel="
+            f"{self.sequence_parallel}, input_is_parallel={self.input_is_parallel}, "
+            f"backend={self.backend}"
+        )

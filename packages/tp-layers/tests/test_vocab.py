@@ -1,0 +1,174 @@
+"""VocabParallelEmbedding and vocab_parallel_cross_entropy == nn.Embedding / F.cross_entropy.
+
+The vocabulary (10) is not divisible by tp 3 or 4, so those runs exercise the padding rule
+(10 -> 12 rows). Tolerance: fp32 on CPU, sums over <= 10 vocabulary entries and <= 24
+tokens reordered across ranks: rtol=1e-5, atol=1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from mega_parallel_grid import ParallelConfig, init_process_groups
+from mega_parallel_grid.testing import DistPool, rank_device
+from mega_tp_layers import (
+    ColumnParallelLinear,
+    Normal,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    gather_full,
+    init_full,
+    padded_vocab_size,
+    param_generator,
+    shard_spec,
+    shard_tensor,
+    vocab_parallel_cross_entropy,
+)
+
+RTOL, ATOL = 1e-5, 1e-6
+SEED = 5
+V, H, S, B = 10, 8, 12, 2
+CASES = [(tp, sp) for tp in (1, 2, 3, 4) for sp in (False, True)]
+IDS = [f"tp{t}-{'sp' if s else 'nosp'}" for t, s in CASES]
+
+
+def _close(actual: Tensor, expected: Tensor, what: str) -> None:
+    torch.testing.assert_close(
+        actual.detach().cpu(), expected.detach().cpu(), rtol=RTOL, atol=ATOL, msg=what
+    )
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _seq(x: Tensor, sp: bool, rank: int, tp: int) -> Tensor:
+    return shard_tensor(x, 0, rank, tp) if sp else x.clone()
+
+
+def _check_embedding(tp: int, sp: bool) -> None:
+    g = init_process_groups(ParallelConfig(tp=tp)).tp
+    rank, dev = dist.get_rank(g), rank_device()
+    emb = VocabParallelEmbedding(
+        V, H, tp_group=g, sequence_parallel=sp, init_method=Normal(1.0), seed=SEED,
+        name="embed", device=dev,
+    )  # fmt: skip
+    padded = padded_vocab_size(V, tp)
+    assert emb.padded_num_embeddings == padded
+    full = init_full((V, H), Normal(1.0), param_generator(SEED, "embed.weight"))
+    spec = shard_spec(emb.weight)
+    assert spec is not None and spec.full_shape == (padded, H)
+    # the real rows are drawn as if unpadded (so tp does not change them); padding is zero
+    assert torch.equal(gather_full(emb.weight, spec, g).cpu(), _pad_rows(full, padded))
+
+    ids = torch.randint(0, V, (S, B))
+    ids[0, 0], ids[-1, -1] = 0, V - 1  # both ends of the vocabulary
+    dy = torch.randn(S, B, H)
+    ref_w = full.clone().requires_grad_()
+    y_ref = F.embedding(ids, ref_w)
+    y_ref.backward(dy)
+
+    y = emb(ids.to(dev))  # every rank looks up the whole sequence; SP scatters the result
+    y.backward(_seq(dy, sp, rank, tp).to(dev))
+    _close(y, _seq(y_ref, sp, rank, tp), "embedding output")
+    assert ref_w.grad is not None and emb.weight.grad is not None
+    _close(emb.weight.grad, shard_tensor(ref_w.grad, spec), "embedding weight grad")
+
+
+@pytest.mark.parametrize(("tp", "sp"), CASES, ids=IDS)
+def test_embedding_matches_nn_embedding(dist_pool: DistPool, tp: int, sp: bool) -> None:
+    dist_pool.run(_check_embedding, tp, args=(tp, sp))
+
+
+def _check_cross_entropy(tp: int, smoothing: float, ignore_index: int) -> None:
+    g = init_process_groups(ParallelConfig(tp=tp)).tp
+    rank, dev = dist.get_rank(g), rank_device()
+    padded = padded_vocab_size(V, tp)
+    logits = 3.0 * torch.randn(S, B, V)
+    targets = torch.randint(0, V, (S, B))
+    targets[1, 0] = targets[4, 1] = ignore_index  # some ignored tokens
+    targets[2, 0], targets[3, 1] = 0, V - 1
+    dloss = torch.rand(S, B)
+
+    ref_logits = logits.clone().requires_grad_()
+    loss_ref = F.cross_entropy(
+        ref_logits.reshape(-1, V), targets.reshape(-1), reduction="none",
+        label_smoothing=smoothing, ignore_index=ignore_index,
+    ).view(S, B)  # fmt: skip
+    loss_ref.backward(dloss)
+    assert ref_logits.grad is not None
+
+    # padding columns hold huge values: they must take no part in the loss
+    garbage = torch.full((S, B, padded - V), 1e4)
+    shard = shard_tensor(torch.cat([logits, garbage], -1), -1, rank, tp).to(dev).requires_grad_()
+    loss = vocab_parallel_cross_entropy(
+        shard, targets.to(dev), g, label_smoothing=smoothing, ignore_index=ignore_index,
+        vocab_size=V,
+    )  # fmt: skip
+    loss.backward(dloss.to(dev))
+    assert loss.dtype == torch.float32 and shard.grad is not None
+    _close(loss, loss_ref, "loss")
+    grad_ref = torch.cat([ref_logits.grad, torch.zeros(S, B, padded - V)], -1)
+    _close(shard.grad, shard_tensor(grad_ref, -1, rank, tp), "logits grad (padding: zero)")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    ("smoothing", "ignore_index"), [(0.0, -100), (0.1, -100), (0.2, 3)], ids=str
+)
+def test_cross_entropy_matches_f_cross_entropy(
+    dist_pool: DistPool, tp: int, smoothing: float, ignore_index: int
+) -> None:
+    dist_pool.run(_check_cross_entropy, tp, args=(tp, smoothing, ignore_index))
+
+
+def _check_language_model(tp: int, sp: bool) -> None:
+    """Embedding -> (untied column head | tied head) -> mean loss, against the full model."""
+    g = init_process_groups(ParallelConfig(tp=tp)).tp
+    dev = rank_device()
+    emb = VocabParallelEmbedding(
+        V, H, tp_group=g, sequence_parallel=sp, init_method=Normal(1.0), seed=SEED,
+        name="embed", device=dev,
+    )  # fmt: skip
+    head = ColumnParallelLinear(
+        H, V, tp_group=g, bias=False, sequence_parallel=sp, pad_out_features=True,
+        init_method=Normal(0.5), seed=SEED, name="head", device=dev,
+    )  # fmt: skip
+    w_emb = init_full((V, H), Normal(1.0), param_generator(SEED, "embed.weight"))
+    w_head = init_full((V, H), Normal(0.5), param_generator(SEED, "head.weight"))
+    ids, targets = torch.randint(0, V, (S, B)), torch.randint(0, V, (S, B))
+
+    for tied in (False, True):
+        emb.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+        e_ref = w_emb.clone().requires_grad_()
+        h_ref = e_ref if tied else w_head.clone().requires_grad_()
+        loss_ref = F.cross_entropy(F.linear(F.embedding(ids, e_ref), h_ref).reshape(-1, V),
+                                   targets.reshape(-1))  # fmt: skip
+        loss_ref.backward()
+
+        hidden = emb(ids.to(dev))  # [s, b, h], or [s/tp, b, h] under SP
+        if tied:
+            logits = column_parallel_linear(hidden, emb.weight, tp_group=g, sequence_parallel=sp)
+        else:
+            logits = head(hidden)  # [s, b, V_pad/tp]
+        loss = vocab_parallel_cross_entropy(logits, targets.to(dev), g, vocab_size=V).mean()
+        loss.backward()
+        _close(loss, loss_ref, f"loss (tied={tied})")
+        assert e_ref.grad is not None and emb.weight.grad is not None
+        spec = shard_spec(emb.weight)
+        assert spec is not None
+        _close(emb.weight.grad, shard_tensor(e_ref.grad, spec), f"embedding grad (tied={tied})")
+        if not tied:
+            head_spec = shard_spec(head.weight)
+            assert h_ref.grad is not None and head.weight.grad is not None and head_spec
+            _close(head.weight.grad, shard_tensor(h_ref.grad, head_spec), "head grad")
+
+
+@pytest.mark.parametrize(("tp", "sp"), CASES, ids=IDS)
+def test_language_model_loss_matches_single_process(dist_pool: DistPool, tp: int, sp: bool) -> None:
+    dist_pool.run(_check_language_model, tp, args=(tp, sp))
