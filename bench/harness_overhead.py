@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
+
 from mega_parallel_grid.testing import DistPool, rank_device
 
 

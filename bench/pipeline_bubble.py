@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
+
 from mega_parallel_grid import ParallelConfig, init_process_groups
 from mega_pipeline import P2PCommunicator, StageChunk, get_forward_backward_func, rank_layer_ranges
-from torch import Tensor, nn
 
 
 def _args() -> argparse.Namespace:
