@@ -56,6 +56,7 @@ def full_params(model: nn.Module, vocab_size: int, grads: bool) -> dict[str, tor
 def compare(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str) -> None:
     assert set(mine) <= set(ref), f"{what}: unknown names {set(mine) - set(ref)}"
     for name, value in mine.items():
+        value = value.cpu()
         torch.testing.assert_close(
             value,
             ref[name],
@@ -74,8 +75,8 @@ def all_reduce_grads(model: nn.Module, group: dist.ProcessGroup) -> None:
 def _contract(tp: int, cp: int, sp: bool, cp_method: str, changes: dict[str, object]) -> float:
     config = tiny(**changes)
     groups = init_process_groups(ParallelConfig(tp=tp, cp=cp))
-    ref_model = GPTModel(config, solo_groups(), seed=11)
-    dev = rank_device()
+    dev = rank_device()  # the reference runs on the same device: same kernels' rounding
+    ref_model = GPTModel(config, solo_groups(), seed=11, device=dev)
     model = GPTModel(config, groups, sequence_parallel=sp, cp_method=cp_method, seed=11, device=dev)  # type: ignore[arg-type]
     compare(
         full_params(model, config.vocab_size, grads=False),
@@ -84,7 +85,7 @@ def _contract(tp: int, cp: int, sp: bool, cp_method: str, changes: dict[str, obj
     )
 
     ids, labels = batch(config)
-    ref_loss = ref_model(ids, labels)  # [b, s] per-token losses
+    ref_loss = ref_model(ids.to(dev), labels.to(dev)).cpu()  # [b, s] per-token losses
     ref_loss.sum().backward()
     cp_rank = groups.rank("cp")
     loss = model(

@@ -1,0 +1,63 @@
+"""Global gradient norm over every rank holding distinct gradient pieces, and clipping by it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["ShardMetadata", "clip_coefficient", "counts_in_norm", "global_grad_norm"]
+
+
+@runtime_checkable
+class ShardMetadata(Protocol):
+    """What this package reads of a parameter's ``mega_shard`` attribute.
+
+    mega-tp-layers attaches a ``ShardSpec`` there; this package does not import it and
+    only needs to know whether this rank's copy is a replica that another rank counts.
+    """
+
+    @property
+    def duplicate(self) -> bool:
+        """True when another rank holds the same values and counts them."""
+        ...
+
+
+def counts_in_norm(param: torch.Tensor) -> bool:
+    """False for a parameter whose ``mega_shard.duplicate`` is True; True otherwise."""
+    spec = getattr(param, "mega_shard", None)
+    if spec is None:
+        return True
+    if not isinstance(spec, ShardMetadata):
+        raise TypeError(
+            f"the parameter's mega_shard attribute ({type(spec).__name__}) has no 'duplicate' "
+            "field; attach a mega_tp_layers ShardSpec or remove the attribute"
+        )
+    return not spec.duplicate
+
+
+def global_grad_norm(
+    grads: Sequence[torch.Tensor], group: ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """The 2-norm of the gradients that all ranks of ``group`` (None: the world) hold, as fp32.
+
+    Each rank passes the pieces it alone counts (its dp shard, without tp replicas), so
+    the sum of squares over the group counts every element once. Non-finite gradients
+    give a non-finite norm on every rank.
+    """
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, 2.0).float()
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    squared = local * local
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(squared, group=group)
+    return squared.sqrt()
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` would scale gradients by (at most 1)."""
+    return min(max_norm / (total_norm + 1e-6), 1.0)

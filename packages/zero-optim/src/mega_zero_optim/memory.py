@@ -1,0 +1,50 @@
+"""How many bytes per parameter the data-parallel wrapper and the optimizer hold on this rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MemoryReport"]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes this rank allocated for its trainable parameters, by kind.
+
+    With bf16 parameters, fp32 gradients and Adam, ``bytes_per_param`` is about
+    2 + 4 + 12/dp: the parameter and gradient buffers are whole on every rank, the fp32
+    master weights and both moments only for the rank's shard. (fp32 parameters need no
+    separate master copy: 4 + 4 + 8/dp.)
+    """
+
+    num_params: int
+    """Trainable parameter elements on this rank (padding excluded)."""
+    param_bytes: int
+    """The parameter buffers (padding included)."""
+    grad_bytes: int
+    """The gradient buffers (padding included)."""
+    master_bytes: int
+    """fp32 master copies of this rank's shards (0 when the parameters are fp32 already)."""
+    state_bytes: int
+    """Optimizer state tensors (Adam moments, SGD momentum, step counters)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything above, summed."""
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.state_bytes
+
+    @property
+    def bytes_per_param(self) -> float:
+        """``total_bytes / num_params``."""
+        return self.total_bytes / max(self.num_params, 1)
+
+    def __str__(self) -> str:
+        n = max(self.num_params, 1)
+        parts = [
+            f"param {self.param_bytes / n:.2f}",
+            f"grad {self.grad_bytes / n:.2f}",
+            f"master {self.master_bytes / n:.2f}",
+            f"state {self.state_bytes / n:.2f}",
+        ]
+        per = f"{self.bytes_per_param:.2f} bytes/param"
+        return f"{per} ({', '.join(parts)}) over {self.num_params:,} params"

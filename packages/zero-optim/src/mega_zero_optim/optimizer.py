@@ -1,0 +1,382 @@
+"""DistributedOptimizer: each dp rank keeps fp32 master weights and state for its shard only."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from mega_zero_optim.bucket import Bucket
+from mega_zero_optim.buffer import ParamAndGradBuffer
+from mega_zero_optim.clip import clip_coefficient, counts_in_norm, global_grad_norm
+from mega_zero_optim.ddp import DistributedDataParallel
+from mega_zero_optim.memory import MemoryReport
+from mega_zero_optim.scaler import DynamicLossScaler
+from mega_zero_optim.shard_range import Range, owned_pieces
+from mega_zero_optim.state import FORMAT, assemble_piece, check_shards
+
+__all__ = ["DistributedOptimizer", "StepResult"]
+
+#: Optimizers whose update is elementwise, so that it can run on any slice of a parameter.
+SHARDABLE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.AdamW,
+    torch.optim.Adam,
+    torch.optim.SGD,
+)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one :meth:`DistributedOptimizer.step` did."""
+
+    updated: bool
+    """False when the step was skipped (non-finite gradients under a loss scaler)."""
+    grad_norm: float
+    """Global gradient 2-norm before clipping (after unscaling)."""
+    loss_scale: float | None
+    """The loss scale used for this step's gradients, or None without a scaler."""
+
+
+@dataclass
+class _Piece:
+    """The part of one parameter inside one owned shard, and its fp32 master view."""
+
+    name: str
+    in_param: Range
+    master: torch.Tensor  # [piece] fp32, the tensor the wrapped optimizer steps
+    grad: torch.Tensor  # [piece] view of the gradient buffer
+    counts: bool  # counted in the global gradient norm
+
+
+@dataclass
+class _Shard:
+    """One bucket's owned shard: where the master values are written back from."""
+
+    bucket: Bucket
+    master: torch.Tensor  # [bucket/dp] fp32; the parameter shard itself for fp32 params
+
+
+class DistributedOptimizer:
+    """ZeRO-1/2 over the buffers of one or more :class:`DistributedDataParallel` modules.
+
+    ``optimizer`` is a torch.optim AdamW, Adam or SGD built over the wrapped modules'
+    parameters (its param groups and hyperparameters are kept). It is taken over: its
+    param groups are rewritten to hold fp32 master views of the pieces of each parameter
+    inside this rank's shards, so its state exists only for those, and LR schedulers built on
+    it keep working. :meth:`step` waits for the gradient reduction, unscales (fp16), computes
+    the global gradient norm over ``grad_norm_group`` (default: the world; it must span
+    every rank holding distinct gradients, dp and model-parallel), clips to
+    ``max_grad_norm``, steps, writes the masters back to the parameters and all-gathers
+    them over dp, either at once or, with ``overlap_param_gather``, overlapped with the next
+    forward (each module waits for the buckets of its own parameters).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        ddp: DistributedDataParallel | Sequence[DistributedDataParallel],
+        *,
+        max_grad_norm: float | None = None,
+        grad_norm_group: ProcessGroup | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        overlap_param_gather: bool = False,
+    ) -> None:
+        if type(optimizer) not in SHARDABLE:
+            raise ValueError(
+                f"{type(optimizer).__name__} cannot be sharded by DistributedOptimizer (its update "
+                "is not known to be elementwise); use torch.optim.AdamW, Adam or SGD"
+            )
+        if optimizer.state:
+            raise ValueError(
+                f"the optimizer already holds state for {len(optimizer.state)} parameters; wrap "
+                "it in DistributedOptimizer before its first step"
+            )
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(
+                f"max_grad_norm ({max_grad_norm}) must be positive; use None to disable clipping"
+            )
+        self.optimizer = optimizer
+        self.ddps = [ddp] if isinstance(ddp, DistributedDataParallel) else list(ddp)
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm_group = grad_norm_group
+        self.loss_scaler = loss_scaler
+        self.overlap_param_gather = overlap_param_gather
+        self.num_steps = 0
+        self._device = next((b.device for _, b in self._buffers()), torch.device("cpu"))
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._shards: list[_Shard] = []
+        self._master_bytes = 0
+        pieces = self._build_pieces()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in pieces:
+                    raise ValueError(
+                        f"the optimizer holds a parameter of shape {tuple(p.shape)} that no "
+                        "wrapped module trains; build it from ddp.parameters()"
+                    )
+        self._group_names: list[list[str]] = []
+        self._pieces: list[_Piece] = []
+        for group in optimizer.param_groups:
+            kept = [p for p in group["params"] if p.requires_grad]  # frozen: never stepped
+            self._group_names.append([pieces[id(p)][0] for p in kept])
+            mine = [piece for p in kept for piece in pieces[id(p)][1]]
+            self._pieces += mine
+            group["params"] = [piece.master for piece in mine]
+        self._piece_of = {id(piece.master): piece for piece in self._pieces}
+
+    # construction ------------------------------------------------------------------------
+
+    def _buffers(self) -> list[tuple[str, ParamAndGradBuffer]]:
+        prefixed = len(self.ddps) > 1
+        return [
+            (f"{i}." if prefixed else "", buffer)
+            for i, ddp in enumerate(self.ddps)
+            for buffer in ddp.param_and_grad_buffers
+        ]
+
+    def _build_pieces(self) -> dict[int, tuple[str, list[_Piece]]]:
+        """id(param) -> (name, pieces of it this rank owns); allocates the master shards."""
+        found: dict[int, tuple[str, list[_Piece]]] = {}
+        for prefix, buffer in self._buffers():
+            for name, p in zip(buffer.names, buffer.params, strict=True):
+                self._shapes[prefix + name] = tuple(p.shape)
+                found[id(p)] = (prefix + name, [])
+            fp32 = buffer.param_dtype == torch.float32
+            size = sum(b.shard.size for b in buffer.buckets)
+            masters = None if fp32 else torch.empty(size, dtype=torch.float32, device=buffer.device)
+            self._master_bytes += 0 if masters is None else masters.numel() * 4
+            offset = 0
+            for bucket in buffer.buckets:
+                if masters is None:
+                    master = bucket.param_shard
+                else:
+                    master = masters[offset : offset + bucket.shard.size]
+                    master.copy_(bucket.param_shard)
+                    offset += bucket.shard.size
+                self._shards.append(_Shard(bucket, master))
+                for piece in owned_pieces(buffer.ranges, bucket.shard):
+                    p = buffer.params[piece.index]
+                    local = piece.in_buffer.shift(bucket.shard.start)
+                    name, into = found[id(p)]
+                    into.append(
+                        _Piece(
+                            name=name,
+                            in_param=piece.in_param,
+                            master=master[local.start : local.end],
+                            grad=buffer.grad_data[piece.in_buffer.start : piece.in_buffer.end],
+                            counts=counts_in_norm(p),
+                        )
+                    )
+        return found
+
+    # stepping ----------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (set ``lr`` here or through a scheduler)."""
+        return self.optimizer.param_groups
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: multiplied by the loss scale when there is a scaler."""
+        return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers of every wrapped module (call before each step's backward)."""
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Reduce gradients, check, clip, step this rank's shards, and share the new parameters."""
+        self.num_steps += 1
+        for ddp in self.ddps:
+            ddp.finish_param_sync()  # the last gather reads the shards about to be written
+            ddp.finish_grad_sync()
+        for piece in self._pieces:
+            piece.master.grad = (
+                piece.grad if piece.grad.dtype == torch.float32 else piece.grad.float()
+            )
+        grads = [piece.master.grad for piece in self._pieces if piece.master.grad is not None]
+        scale = None if self.loss_scaler is None else self.loss_scaler.scale
+        if scale is not None:
+            for g in grads:
+                g.mul_(1.0 / scale)
+        counted = [p.master.grad for p in self._pieces if p.counts and p.master.grad is not None]
+        norm = float(global_grad_norm(counted, self.grad_norm_group, self._device))
+        finite = math.isfinite(norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=not finite)
+        if not finite:
+            if self.loss_scaler is None:
+                self._raise_nonfinite(norm)
+            self._drop_grads()
+            return StepResult(False, norm, scale)
+        if self.max_grad_norm is not None:
+            coefficient = clip_coefficient(norm, self.max_grad_norm)
+            for g in grads:
+                g.mul_(coefficient)
+        self.optimizer.step()
+        self._drop_grads()
+        for shard in self._shards:
+            if shard.master.data_ptr() != shard.bucket.param_shard.data_ptr():
+                shard.bucket.param_shard.copy_(shard.master)
+        self._gather_params(wait=not self.overlap_param_gather)
+        return StepResult(True, norm, scale)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copy the current parameters into the fp32 masters of this rank's shards.
+
+        Call it after changing parameters outside the optimizer (loading model weights
+        without an optimizer state); otherwise the next step writes the old masters back.
+        fp32 parameters are their own masters and need nothing.
+        """
+        for shard in self._shards:
+            if shard.master.data_ptr() != shard.bucket.param_shard.data_ptr():
+                shard.master.copy_(shard.bucket.param_shard)
+
+    def _drop_grads(self) -> None:
+        for piece in self._pieces:
+            piece.master.grad = None
+
+    def _gather_params(self, *, wait: bool) -> None:
+        for ddp in self.ddps:
+            ddp.start_param_sync()
+        if wait:
+            for ddp in self.ddps:
+                ddp.finish_param_sync()
+
+    def _raise_nonfinite(self, norm: float) -> NoReturn:
+        """Name the first parameter with a non-finite gradient, agreed on by every rank."""
+        bad = next(
+            (
+                p.name
+                for p in self._pieces
+                if p.master.grad is not None and not p.master.grad.isfinite().all()
+            ),
+            None,
+        )
+        world = dist.get_world_size(self.grad_norm_group)
+        found: list[str | None] = [bad]
+        if world > 1:
+            found = [None] * world
+            dist.all_gather_object(found, bad, group=self.grad_norm_group)
+        where = [(r, n) for r, n in enumerate(found) if n is not None]
+        if not where:
+            raise FloatingPointError(
+                f"step {self.num_steps}: the global gradient norm is {norm} although no gradient "
+                "element is non-finite (the sum of squares overflowed); lower the loss scale or "
+                "the learning rate"
+            )
+        rank, name = where[0]
+        others = f" and on {len(where) - 1} other ranks" if len(where) > 1 else ""
+        raise FloatingPointError(
+            f"step {self.num_steps}: the gradient of {name!r} holds nan or inf (found on rank "
+            f"{rank} of the gradient-norm group{others}); check the data and the learning rate, "
+            "or train fp16 with a DynamicLossScaler"
+        )
+
+    # state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: master values and optimizer state of the pieces it owns.
+
+        Plain tensors and Python values only (save with ``torch.save``, load with
+        ``weights_only=True``). Pieces are keyed by parameter name and range of the flattened
+        parameter, so :meth:`load_state_dict` can re-shard them for any dp size.
+        """
+        for ddp in self.ddps:
+            ddp.finish_param_sync()
+        params: dict[str, dict[str, Any]] = {
+            name: {"shape": list(shape), "pieces": []} for name, shape in self._shapes.items()
+        }
+        for piece in self._pieces:
+            state = self.optimizer.state.get(piece.master, {})
+            params[piece.name]["pieces"].append(
+                {
+                    "start": piece.in_param.start,
+                    "end": piece.in_param.end,
+                    "master": piece.master.detach().clone(),
+                    "state": {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
+                }
+            )
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "param_names": names}
+            for g, names in zip(self.optimizer.param_groups, self._group_names, strict=True)
+        ]
+        first = self.ddps[0] if self.ddps else None
+        return {
+            "format": FORMAT,
+            "optimizer": type(self.optimizer).__name__,
+            "dp_size": 1 if first is None else first.dp_size,
+            "dp_rank": 0 if first is None else dist.get_rank(first.dp_group),
+            "num_steps": self.num_steps,
+            "param_groups": groups,
+            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+            "params": params,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Load this rank's shard, or re-shard from the shards of every rank of another dp size.
+
+        Pass the dict this rank saved (same dp size and model), or the list of dicts saved by
+        all dp ranks of the old run (any dp size). Collective over dp: the parameters are
+        set from the loaded master values and all-gathered.
+        """
+        shards = [state] if isinstance(state, Mapping) else list(state)
+        check_shards(
+            shards,
+            optimizer_name=type(self.optimizer).__name__,
+            num_groups=len(self.optimizer.param_groups),
+            shapes=self._shapes,
+        )
+        for ddp in self.ddps:
+            ddp.finish_param_sync()
+        for group in self.optimizer.param_groups:
+            on_device = bool(group.get("capturable") or group.get("fused"))
+            for master in group["params"]:
+                piece = self._piece_of[id(master)]
+                values, piece_state = assemble_piece(
+                    shards, piece.name, piece.in_param, self._device
+                )
+                master.copy_(values)
+                for key, value in piece_state.items():  # torch keeps scalar steps on the CPU
+                    if value.dim() == 0:
+                        piece_state[key] = value.to(master.device if on_device else "cpu")
+                self.optimizer.state[master] = piece_state
+        for group, saved in zip(
+            self.optimizer.param_groups, shards[0]["param_groups"], strict=True
+        ):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        self.num_steps = int(shards[0]["num_steps"])
+        if self.loss_scaler is not None and shards[0]["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(shards[0]["loss_scaler"])
+        for shard in self._shards:
+            if shard.master.data_ptr() != shard.bucket.param_shard.data_ptr():
+                shard.bucket.param_shard.copy_(shard.master)
+        self._gather_params(wait=True)
+
+    # memory ------------------------------------------------------------------------------
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes per parameter this rank holds (the optimizer state exists after the first step)."""
+        buffers = [b for _, b in self._buffers()]
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for s in self.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return MemoryReport(
+            num_params=sum(b.num_params for b in buffers),
+            param_bytes=sum(b.param_data.numel() * b.param_data.element_size() for b in buffers),
+            grad_bytes=sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+            master_bytes=self._master_bytes,
+            state_bytes=state_bytes,
+        )

@@ -1,0 +1,201 @@
+"""Global gradient norm across dp and tp (tp replicas counted once), non-finite gradients.
+
+Comparisons are fp32 on CPU: rtol=1e-5, atol=1e-6 (the same sums in another order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mega_parallel_grid import ParallelConfig, init_process_groups
+from mega_parallel_grid.testing import DistPool, rank_device
+from mega_zero_optim import (
+    DistributedDataParallel,
+    DistributedOptimizer,
+    DynamicLossScaler,
+    counts_in_norm,
+)
+
+RTOL, ATOL = 1e-5, 1e-6
+ROWS, COLS, BATCH = 8, 6, 8
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Stands in for mega_tp_layers' ShardSpec (this package must not import it)."""
+
+    dim: int | None
+    num_shards: int
+    shard_rank: int
+    group: str
+    full_shape: tuple[int, ...]
+    duplicate: bool
+
+
+def test_counts_in_norm_reads_the_duplicate_flag() -> None:
+    plain = nn.Parameter(torch.zeros(2))
+    assert counts_in_norm(plain)
+    replica = nn.Parameter(torch.zeros(2))
+    replica.mega_shard = _Spec(None, 2, 1, "tp", (2,), duplicate=True)  # type: ignore[attr-defined]
+    assert not counts_in_norm(replica)
+    bad = nn.Parameter(torch.zeros(2))
+    bad.mega_shard = "tp"  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="has no 'duplicate' field"):
+        counts_in_norm(bad)
+
+
+class _RowShard(nn.Module):
+    """y = x @ W + b with W split by rows over tp and b replicated over tp."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor, tp_group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        self.rows = slice(rank * ROWS // tp, (rank + 1) * ROWS // tp)
+        self.w = nn.Parameter(w[self.rows].clone())
+        self.w.mega_shard = _Spec(0, tp, rank, "tp", (ROWS, COLS), duplicate=False)  # type: ignore[attr-defined]
+        self.b = nn.Parameter(b.clone())
+        self.b.mega_shard = _Spec(None, tp, rank, "tp", (COLS,), duplicate=rank != 0)  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = x[:, self.rows] @ self.w  # [n, rows/tp] @ [rows/tp, cols] -> [n, cols]
+        total = partial.detach().clone()
+        dist.all_reduce(total, group=self.tp_group)
+        # forward: the full product; backward: the gradient of the local partial product
+        return partial + (total - partial.detach()) + self.b
+
+
+def _tp_dp_clipping() -> None:
+    groups = init_process_groups(ParallelConfig(tp=2))
+    dev = rank_device()
+    torch.manual_seed(0)
+    w, b = torch.randn(ROWS, COLS, device=dev), torch.randn(COLS, device=dev)
+    shard = _RowShard(w, b, groups.tp)
+    ddp = DistributedDataParallel(shard, dp_group=groups.dp, bucket_size=7)
+    opt = DistributedOptimizer(
+        torch.optim.AdamW(ddp.parameters(), lr=1e-2, eps=1e-4), ddp, max_grad_norm=0.1
+    )  # grad_norm_group defaults to the world: dp x tp
+    ref_w, ref_b = nn.Parameter(w.clone()), nn.Parameter(b.clone())
+    ref_opt = torch.optim.AdamW([ref_w, ref_b], lr=1e-2, eps=1e-4)
+    dp, dp_rank = groups.size("dp"), groups.rank("dp")
+    per = BATCH // dp
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(BATCH, ROWS, generator=g).to(dev)
+        y = torch.randn(BATCH, COLS, generator=g).to(dev)
+        opt.zero_grad()
+        mine = slice(dp_rank * per, (dp_rank + 1) * per)
+        F.mse_loss(ddp(x[mine]), y[mine]).backward()
+        result = opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(x @ ref_w + ref_b, y).backward()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_([ref_w, ref_b], 0.1))
+        assert ref_norm > 0.1, "clipping must be active"
+        ref_opt.step()
+        torch.testing.assert_close(result.grad_norm, ref_norm, rtol=RTOL, atol=0.0)
+    torch.testing.assert_close(shard.w.detach(), ref_w.detach()[shard.rows], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(shard.b.detach(), ref_b.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_norm_and_clipping_over_tp_and_dp(dist_pool: DistPool) -> None:
+    dist_pool.run(_tp_dp_clipping, 4)
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)
+    ).to(rank_device())
+
+
+def _nonfinite(use_scaler: bool, bad_step: int) -> dict[str, object]:
+    """Train 4 steps of a loss-scaled (or plain) run; rank 1 poisons a gradient at bad_step."""
+    groups = init_process_groups(ParallelConfig())
+    ddp = DistributedDataParallel(
+        _net(), dp_group=groups.dp, bucket_size=20, overlap_grad_reduce=False
+    )  # reduced in step(), after the poisoning below
+    scaler = DynamicLossScaler(initial_scale=1024.0, hysteresis=1) if use_scaler else None
+    opt = DistributedOptimizer(
+        torch.optim.AdamW(ddp.parameters(), lr=1e-2, eps=1e-4), ddp, loss_scaler=scaler
+    )
+    ref = _net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+    dp, rank = ddp.dp_size, dist.get_rank()
+    results = []
+    for step in range(1, 5):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4 * dp, 8, generator=g).to(rank_device())
+        y = torch.randn(4 * dp, 2, generator=g).to(rank_device())
+        opt.zero_grad()
+        loss = F.mse_loss(ddp(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4])
+        opt.scale_loss(loss).backward()
+        if step == bad_step and rank == 1:
+            ddp.module[2].weight.main_grad[3, 5] = float("nan")
+        try:
+            result = opt.step()
+        except FloatingPointError as exc:
+            return {"error": str(exc)}
+        results.append((result.updated, result.loss_scale))
+        if result.updated:  # the reference skips the step the scaler skipped
+            ref_opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+    for (name, p), r in zip(ddp.module.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL, msg=name)
+    return {"results": results}
+
+
+def test_nan_gradient_names_step_and_parameter(dist_pool: DistPool) -> None:
+    for got in dist_pool.run(_nonfinite, 2, args=(False, 3)):
+        message = str(got["error"])
+        assert message.startswith("step 3: the gradient of '2.weight' holds nan or inf"), message
+        assert "\n" not in message
+
+
+def test_loss_scaler_skips_the_step_and_backs_off(dist_pool: DistPool) -> None:
+    for got in dist_pool.run(_nonfinite, 2, args=(True, 2)):
+        # power-of-two scaling is exact, so the scaled run equals the plain reference
+        assert got["results"] == [(True, 1024.0), (False, 1024.0), (True, 512.0), (True, 512.0)]
+
+
+def _fp16() -> dict[str, object]:
+    groups = init_process_groups(ParallelConfig())
+    net = _net().half()
+    ddp = DistributedDataParallel(net, dp_group=groups.dp, bucket_size=50)
+    # 2^20 overflows fp16 gradients: the first steps are skipped until the scale fits
+    scaler = DynamicLossScaler(initial_scale=2.0**20, hysteresis=1, max_scale=2.0**20)
+    opt = DistributedOptimizer(
+        torch.optim.AdamW(ddp.parameters(), lr=1e-2), ddp, loss_scaler=scaler
+    )
+    before = [p.detach().clone() for p in net.parameters()]
+    updated = []
+    for step in range(12):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 8, generator=g).to(rank_device()).half()
+        y = torch.randn(4, 2, generator=g).to(rank_device())
+        opt.zero_grad()
+        opt.scale_loss(F.mse_loss(ddp(x).float(), y)).backward()
+        updated.append(opt.step().updated)
+    moved = any(not torch.equal(a, p) for a, p in zip(before, net.parameters(), strict=True))
+    state = opt.state_dict()["params"]
+    for name, p in net.named_parameters():  # fp16 parameters are the rounding of fp32 masters
+        for piece in state[name]["pieces"]:
+            assert torch.equal(
+                p.detach().flatten()[piece["start"] : piece["end"]], piece["master"].half()
+            )
+    return {"updated": updated, "scale": scaler.scale, "moved": moved}
+
+
+def test_fp16_training_with_dynamic_scaling(dist_pool: DistPool) -> None:
+    got = dist_pool.run(_fp16, 2)[0]
+    updated = got["updated"]
+    assert isinstance(updated, list)
+    assert not updated[0] and updated[-1] and got["moved"]
+    # hysteresis 1 and no growth within 12 steps: each skipped step halved the scale once
+    assert got["scale"] == 2.0**20 / 2 ** updated.count(False)

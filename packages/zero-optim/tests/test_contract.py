@@ -1,0 +1,253 @@
+"""Contract: DDP + DistributedOptimizer over dp ranks == one process training on the whole batch.
+
+Every rank feeds its own slice of each global batch; the reference is single-process
+torch.optim.AdamW (or SGD) on the concatenated batch with the mean loss, computed inside the
+rank function from the same seed.
+
+Tolerance: fp32 on CPU, rtol=1e-5 / atol=1e-6 on parameters and on the gradient norm. The
+parallel run sums the same per-sample gradients in another order (per-rank means, then a
+1/dp-scaled sum over ranks); that rounding (~1e-7 relative, ~1e-9 absolute here) is all that
+differs. AdamW runs with eps=1e-4 rather than 1e-8: Adam divides by |g|, so on an element
+whose gradient nearly cancels (a tied weight's two uses) a 1e-9 rounding difference would
+become a step difference of order lr; eps caps that amplification at lr/eps = 100.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mega_parallel_grid import ParallelConfig, init_process_groups
+from mega_parallel_grid.testing import DistPool, rank_device
+from mega_zero_optim import DistributedDataParallel, DistributedOptimizer
+
+IN, HIDDEN, OUT = 16, 32, 8
+BATCH = 12  # samples per global microbatch, split evenly over dp in {1, 2, 4}
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class _Net(nn.Module):
+    """A small MLP; optionally a tied weight, a frozen bias, and a branch some steps skip."""
+
+    def __init__(self, *, tied: bool = False, frozen: bool = False, side: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.mid = nn.Linear(HIDDEN, HIDDEN)
+        self.mid2 = nn.Linear(HIDDEN, HIDDEN)
+        if tied:
+            self.mid2.weight = self.mid.weight
+        self.out = nn.Linear(HIDDEN, OUT)
+        self.side = nn.Linear(HIDDEN, OUT) if side else None
+        if frozen:
+            self.mid.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, use_side: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))  # [b, in] -> [b, hidden]
+        h = torch.tanh(self.mid(h))
+        h = torch.tanh(self.mid2(h))
+        y = self.out(h)  # [b, hidden] -> [b, out]
+        if self.side is not None and use_side:
+            y = y + self.side(h)
+        return y
+
+
+@dataclass(frozen=True)
+class Case:
+    steps: int = 4
+    microbatches: int = 1
+    max_grad_norm: float | None = None
+    bucket_size: int | None = 1000
+    tied: bool = False
+    frozen: bool = False
+    side: bool = False  # the side branch is skipped on odd steps: no gradient there
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    optimizer: str = "adamw"
+    grad_reduce: str = "mean"
+    use_distributed_optimizer: bool = True
+
+
+CASES = {
+    "plain": Case(),
+    "accumulation": Case(microbatches=3),
+    "clipping": Case(max_grad_norm=0.05),
+    "straddling": Case(bucket_size=300, microbatches=2),
+    "one_bucket": Case(bucket_size=None),
+    "frozen": Case(frozen=True),
+    "tied": Case(tied=True),
+    "no_grad_some_steps": Case(side=True),
+    "no_overlap": Case(overlap_grad_reduce=False, microbatches=2),
+    "param_gather_overlap": Case(overlap_param_gather=True, bucket_size=300),
+    "sgd_momentum": Case(optimizer="sgd", max_grad_norm=0.05),
+    "sum": Case(grad_reduce="sum"),
+    "all_reduce": Case(use_distributed_optimizer=False, bucket_size=300),
+}
+
+
+def _make_optimizer(kind: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2,
+        eps=1e-4,
+    )
+
+
+def _batch(step: int, micro: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The global batch of (step, microbatch): [BATCH, IN] inputs and [BATCH, OUT] targets."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randn(BATCH, IN, generator=g)
+    y = torch.randn(BATCH, OUT, generator=g)
+    return x.to(device), y.to(device)
+
+
+def _reference(
+    case: Case, dp: int, device: torch.device, steps: range
+) -> tuple[nn.Module, list[float]]:
+    """Single-process training on the concatenated batches; returns the model and grad norms."""
+    torch.manual_seed(0)
+    net = _Net(tied=case.tied, frozen=case.frozen, side=case.side).to(device)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = _make_optimizer(case.optimizer, params)
+    for p in params:  # a parameter without gradient in a step counts as a zero gradient
+        p.grad = torch.zeros_like(p)
+    norms = []
+    for step in steps:
+        opt.zero_grad(set_to_none=False)
+        for m in range(case.microbatches):
+            x, y = _batch(step, m, device)
+            loss = F.mse_loss(net(x, use_side=step % 2 == 0), y) / case.microbatches
+            (loss * (dp if case.grad_reduce == "sum" else 1)).backward()
+        grads = [p.grad for p in params if p.grad is not None]
+        norms.append(float(torch.nn.utils.get_total_norm(grads)))
+        if case.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, case.max_grad_norm)
+        opt.step()
+    return net, norms
+
+
+def _build(
+    case: Case, device: torch.device
+) -> tuple[DistributedDataParallel, DistributedOptimizer]:
+    groups = init_process_groups(ParallelConfig())
+    torch.manual_seed(0)
+    net = _Net(tied=case.tied, frozen=case.frozen, side=case.side).to(device)
+    ddp = DistributedDataParallel(
+        net,
+        dp_group=groups.dp,
+        bucket_size=case.bucket_size,
+        overlap_grad_reduce=case.overlap_grad_reduce,
+        use_distributed_optimizer=case.use_distributed_optimizer,
+        grad_reduce=case.grad_reduce,
+    )
+    opt = DistributedOptimizer(
+        _make_optimizer(case.optimizer, list(ddp.parameters())),
+        ddp,
+        max_grad_norm=case.max_grad_norm,
+        overlap_param_gather=case.overlap_param_gather,
+    )
+    return ddp, opt
+
+
+def _train(
+    case: Case, ddp: DistributedDataParallel, opt: DistributedOptimizer, steps: range
+) -> list[float]:
+    dp, rank = ddp.dp_size, torch.distributed.get_rank(ddp.dp_group)
+    per_rank = BATCH // dp
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    norms = []
+    for step in steps:
+        opt.zero_grad()
+        for m in range(case.microbatches):
+            last = m == case.microbatches - 1
+            with nullcontext() if last else ddp.no_sync():
+                x, y = _batch(step, m, rank_device())
+                out = ddp(x[mine], use_side=step % 2 == 0)
+                (F.mse_loss(out, y[mine]) / case.microbatches).backward()
+        result = opt.step()
+        assert result.updated
+        norms.append(result.grad_norm)
+    ddp.finish_param_sync()  # with overlap_param_gather the last gather waits for a forward
+    return norms
+
+
+def _assert_same_params(ddp: DistributedDataParallel, ref: nn.Module) -> float:
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in ddp.module.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], rtol=RTOL, atol=ATOL, msg=name)
+        worst = max(worst, float((p - ref_params[name]).abs().max()))
+    return worst
+
+
+def _check_case(name: str) -> float:
+    case = CASES[name]
+    ddp, opt = _build(case, rank_device())
+    steps = range(case.steps)
+    norms = _train(case, ddp, opt, steps)
+    ref, ref_norms = _reference(case, ddp.dp_size, rank_device(), steps)
+    torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=0.0)
+    if case.max_grad_norm is not None:
+        assert min(ref_norms) > case.max_grad_norm, "clipping must be active in this case"
+    if case.bucket_size == 300:  # some parameter lies in two buckets, so in several shards
+        names = [n for info in ddp.bucket_info() for n in info.params]
+        assert len(names) > len(set(names))
+    if case.frozen:
+        frozen = ddp.module.mid.bias
+        assert not hasattr(frozen, "main_grad")
+    return _assert_same_params(ddp, ref)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_single_process(dist_pool: DistPool, name: str, dp: int) -> None:
+    worst = dist_pool.run(_check_case, dp, args=(name,))
+    assert max(worst) <= ATOL + RTOL  # already asserted per element inside each rank
+
+
+# re-sharding a checkpoint ------------------------------------------------------------------
+
+
+def _save_then_stop(bucket_size: int, folder: str, steps: int) -> None:
+    case = replace(CASES["plain"], bucket_size=bucket_size)
+    ddp, opt = _build(case, rank_device())
+    _train(case, ddp, opt, range(steps))
+    rank = torch.distributed.get_rank()
+    torch.save(opt.state_dict(), os.path.join(folder, f"rank{rank}.pt"))
+
+
+def _load_and_continue(bucket_size: int, folder: str, old_dp: int, steps: int, total: int) -> float:
+    case = replace(CASES["plain"], bucket_size=bucket_size)
+    ddp, opt = _build(case, rank_device())
+    rank = torch.distributed.get_rank()
+    files = [f"rank{r}.pt" for r in range(old_dp)] if old_dp != ddp.dp_size else [f"rank{rank}.pt"]
+    shards = [
+        torch.load(os.path.join(folder, f), map_location=rank_device(), weights_only=True)
+        for f in files
+    ]
+    opt.load_state_dict(shards if len(shards) > 1 else shards[0])
+    assert opt.num_steps == steps
+    _train(case, ddp, opt, range(steps, total))
+    ref, _ = _reference(case, ddp.dp_size, rank_device(), range(total))
+    return _assert_same_params(ddp, ref)
+
+
+@pytest.mark.parametrize(("old_dp", "new_dp"), [(4, 2), (2, 2), (1, 4)])
+def test_state_dict_reshards(
+    dist_pool: DistPool, tmp_path: object, old_dp: int, new_dp: int
+) -> None:
+    folder = str(tmp_path)
+    dist_pool.run(_save_then_stop, old_dp, args=(300, folder, 3))
+    # at another dp size the new run also cuts its buckets differently: the format must not
+    # care; at the same dp size (same layout) each rank loads its own shard only
+    new_bucket_size = 300 if old_dp == new_dp else 500
+    dist_pool.run(_load_and_continue, new_dp, args=(new_bucket_size, folder, old_dp, 3, 5))
