@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -27,6 +28,8 @@ from mega_tp_layers import (
     init_parameters,
     mark_replicated,
     scatter_to_sequence_region,
+    set_shard_spec,
+    shard_spec,
     vocab_parallel_cross_entropy,
 )
 
@@ -153,6 +156,12 @@ class GPTModel(nn.Module):
                 )  # fmt: skip
         self.to_empty(device=target)
         init_parameters(self, seed)
+        if self.embedding is not None and not self.stage.first:
+            # the tied copy on the last stage repeats the first stage's: count it once
+            weight = self.embedding.word.weight
+            spec = shard_spec(weight)
+            assert spec is not None
+            set_shard_spec(weight, dataclasses.replace(spec, duplicate=True))
 
     def _positions(self, local_len: int, device: torch.device) -> tuple[Tensor, int]:
         """Absolute positions of this rank's tokens, and the full sequence length."""

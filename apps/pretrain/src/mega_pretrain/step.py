@@ -1,0 +1,127 @@
+"""One optimizer step (or one evaluation) through the pipeline schedule, on one rank."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+
+import torch
+from torch import Tensor
+
+from mega_models import GPTModel, finalize_model_grads, zigzag_split
+from mega_parallel_grid import ProcessGroups
+from mega_pipeline import (
+    DataIterator,
+    LossFunc,
+    LossOutput,
+    P2PCommunicator,
+    StageChunk,
+    broadcast_losses,
+    get_forward_backward_func,
+)
+from mega_pretrain.build import Built
+from mega_zero_optim import StepResult
+
+__all__ = ["Microbatch", "StepRunner"]
+
+#: One micro-batch: ``(tokens, labels)``, each ``[micro_batch, seq_len]`` int64.
+Microbatch = tuple[Tensor, Tensor]
+
+
+class StepRunner:
+    """Runs the forward-backward schedule over micro-batches and steps the optimizer.
+
+    Every rank of a dp replica is given the same micro-batches (tp and cp ranks share a dp
+    rank); under context parallelism each cp rank keeps its zig-zag share of every
+    sequence. The loss of a micro-batch is the mean over its tokens; the schedule averages
+    over micro-batches and the DDP over dp x cp, so the gradient is the mean over the
+    global batch.
+    """
+
+    def __init__(
+        self,
+        built: Built,
+        groups: ProcessGroups,
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        sequence_parallel: bool,
+    ) -> None:
+        self.built, self.groups, self.device = built, groups, device
+        self.cp, self.cp_rank = groups.size("cp"), groups.rank("cp")
+        self.pp = groups.size("pp")
+        vpp = len(built.chunks) if len(built.chunks) > 1 else None
+        self.schedule = get_forward_backward_func(self.pp, vpp)
+        local = seq_len // self.cp
+        if sequence_parallel:
+            local //= groups.size("tp")
+        self.communicator = (
+            P2PCommunicator(
+                groups.pp, tensor_shape=(local, micro_batch_size, hidden_size), dtype=dtype
+            )
+            if self.pp > 1
+            else None
+        )
+
+    def _forward_step(self, data: DataIterator, chunk: StageChunk) -> tuple[Tensor, LossFunc]:
+        assert data is not None
+        tokens, labels = next(data)
+        tokens = zigzag_split(tokens, self.cp, self.cp_rank, dim=1).to(
+            self.device, non_blocking=True
+        )
+        labels = zigzag_split(labels, self.cp, self.cp_rank, dim=1).to(
+            self.device, non_blocking=True
+        )
+        out = chunk(tokens, labels=labels)
+
+        def loss_func(per_token: Tensor) -> LossOutput:
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    def _run(self, batches: Sequence[Microbatch], forward_only: bool) -> Tensor:
+        chunks: list[GPTModel] = self.built.chunks
+        ddp = self.built.ddp
+
+        def no_sync(_: int) -> AbstractContextManager[None]:
+            return ddp.no_sync()
+
+        losses = self.schedule(
+            forward_step=self._forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(batches),
+            communicator=self.communicator,
+            forward_only=forward_only,
+            no_sync_func=None if forward_only else no_sync,
+        )
+        losses = broadcast_losses(losses, self.groups.pp, device=self.device)
+        mean = torch.stack([d["loss"] for d in losses]).mean()
+        if self.groups.size("dp_cp") > 1:  # the logged loss: mean over the global batch
+            torch.distributed.all_reduce(mean, group=self.groups.dp_cp)
+            mean /= self.groups.size("dp_cp")
+        return mean
+
+    def train_step(self, batches: Sequence[Microbatch], lr: float) -> tuple[Tensor, StepResult]:
+        """Forward, backward and optimizer step; returns the mean loss (a device tensor)."""
+        optimizer = self.built.optimizer
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        self.built.ddp.zero_grad_buffer()
+        for chunk in self.built.chunks:
+            chunk.train()
+        loss = self._run(batches, forward_only=False)
+        self.built.ddp.finish_grad_sync()
+        finalize_model_grads(self.built.chunks, self.groups)
+        return loss, optimizer.step()
+
+    @torch.no_grad()
+    def eval_step(self, batches: Sequence[Microbatch]) -> Tensor:
+        """Mean loss over ``batches`` with no gradient and no update."""
+        for chunk in self.built.chunks:
+            chunk.eval()
+        return self._run(batches, forward_only=True)

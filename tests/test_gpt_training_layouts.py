@@ -1,0 +1,202 @@
+"""The heart of mega: GPT training at every parallel layout equals one plain process.
+
+The trainer's parts (mega-models' GPTModel split by tp/SP/cp/pp/vpp, mega-pipeline's
+schedules, mega-zero-optim's DDP and distributed optimizer) run 3 optimizer steps on a
+tiny GPT (hidden 64, 8 heads, 4 KV heads, 8 layers, vocab 257 — not divisible by tp). The
+reference is the same model on one process with plain ``torch.optim.AdamW``, gradient
+accumulation over the global batch and ``clip_grad_norm_``. Losses of every step and the
+full weights after the last step must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mega_models import GPTModel
+from mega_parallel_grid import init_process_groups
+from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
+from mega_pretrain.build import build, gpt_config, parallel_config
+from mega_pretrain.config import load_config
+from mega_pretrain.step import StepRunner
+from mega_tp_layers import gather_full, shard_spec
+
+STEPS, SEQ, MICRO, GLOBAL = 3, 16, 2, 8
+LR = 1e-3
+# fp32: layouts reorder float sums (~1e-7 relative per op). Adam divides each gradient by
+# its own RMS, so after 3 steps a weight moves by ~3*lr = 3e-3 and the relative rounding of
+# its gradient shows up as ~lr * 1e-5; 1e-6 absolute on weights (~170 ulps of 0.02) covers
+# it, while a wrong or missing gradient moves a weight by ~lr = 1e-3.
+# Adam's eps is 1e-5 here, not 1e-8: for a weight whose gradient nearly cancels (|g| ~ 1e-9)
+# Adam's first update is lr * g / |g|, so rounding noise in g could flip its sign and move
+# the weight by 2 * lr in one layout and not the other; with eps = 1e-5 such updates are
+# lr * g / eps, proportional to g again, and every weight's rounding stays ~1e-9.
+EPS = 1e-5
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+WEIGHT_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _micro(layout: dict[str, object]) -> int:
+    """Micro-batch size: 1 where interleaving over pp=4 needs 4 micro-batches per dp rank."""
+    return 1 if layout.get("pp") == 4 else MICRO
+
+
+def _overrides(layout: dict[str, object], model: dict[str, object]) -> list[tuple[str, str]]:
+    out = [
+        ("train.seq_len", str(SEQ)), ("train.micro_batch_size", str(_micro(layout))),
+        ("train.global_batch_size", str(GLOBAL)), ("train.lr", str(LR)), ("train.min_lr", str(LR)),
+        ("train.warmup_steps", "0"), ("train.decay", "constant"), ("train.clip_grad", "1.0"),
+        ("parallel.bucket_size", "1000"), ("train.eps", str(EPS)),
+    ]  # fmt: skip
+    out += [
+        (f"parallel.{k}", str(v).lower() if isinstance(v, bool) else str(v))
+        for k, v in layout.items()
+    ]
+    out += [
+        (f"model.{k}", str(v).lower() if isinstance(v, bool) else str(v)) for k, v in model.items()
+    ]
+    return out
+
+
+def _batches(seed: int, step: int, micro: int = MICRO) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch of a step, cut into micro-batches (the same samples for any size)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    tokens = torch.randint(0, 257, (GLOBAL, SEQ + 1), generator=gen)
+    return [
+        (tokens[i : i + micro, :-1], tokens[i : i + micro, 1:]) for i in range(0, GLOBAL, micro)
+    ]
+
+
+def _full_weights(
+    chunks: list[GPTModel], tp_group: dist.ProcessGroup, vocab: int
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            t = p.detach()
+            spec = shard_spec(p)
+            if spec is not None and spec.dim is not None and spec.num_shards > 1:
+                t = gather_full(t, spec, tp_group)
+            if name.startswith(("embedding.word", "output")):
+                t = t[:vocab]
+            out[name] = t.float().cpu().clone()
+    return out
+
+
+def _reference(model: dict[str, object]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    config = load_config(None, _overrides({}, model))
+    gpt = gpt_config(config)
+    dev = rank_device()
+    net = GPTModel(gpt, solo_groups(), seed=config.train.seed, device=dev)
+    decay = [p for n, p in net.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in net.named_parameters() if p.dim() < 2]
+    t = config.train
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR, betas=(t.beta1, t.beta2), eps=t.eps,
+    )  # fmt: skip
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        batches = _batches(7, step)
+        for tokens, labels in batches:
+            loss = net(tokens.to(dev), labels.to(dev)).mean() / len(batches)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(net.parameters(), t.clip_grad)
+        opt.step()
+        losses.append(total)
+    return losses, _full_weights([net], solo_groups().tp, gpt.vocab_size)
+
+
+def _parallel(
+    layout: dict[str, object], model: dict[str, object]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    config = load_config(None, _overrides(layout, model))
+    groups = init_process_groups(parallel_config(config))
+    dev = rank_device()
+    built = build(config, groups, dev)
+    gpt = gpt_config(config)
+    micro = _micro(layout)
+    runner = StepRunner(
+        built, groups, seq_len=SEQ, micro_batch_size=micro, hidden_size=gpt.hidden_size,
+        dtype=torch.float32, device=dev, sequence_parallel=config.parallel.sequence_parallel,
+    )  # fmt: skip
+    dp, dp_rank = groups.size("dp"), groups.rank("dp")
+    losses = []
+    for step in range(STEPS):
+        mine = _batches(7, step, micro)[dp_rank::dp]  # this dp rank's micro-batches
+        loss, _ = runner.train_step(mine, LR)
+        losses.append(float(loss))
+    weights = _full_weights(built.chunks, groups.tp, gpt.vocab_size)
+    return losses, weights
+
+
+def _check(
+    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
+) -> None:
+    ref_losses, ref_weights = dist_pool.run(_reference, 1, args=(model,))[0]
+    results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model))
+    for losses, _ in results:  # every rank logs the same global-batch loss
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL)
+    merged: dict[str, torch.Tensor] = {}
+    for _, weights in results:  # each pipeline stage returns its own layers
+        merged.update(weights)
+    assert set(merged) == set(ref_weights)
+    for name, value in merged.items():
+        torch.testing.assert_close(
+            value, ref_weights[name], msg=lambda m, n=name: f"{n}: {m}", **WEIGHT_TOL
+        )
+
+
+LAYOUTS = [
+    {"tp": 2},
+    {"tp": 2, "sequence_parallel": True},
+    {"tp": 4, "sequence_parallel": True},
+    {"pp": 2},
+    {"pp": 2, "vpp": 2},
+    {"pp": 4, "vpp": 2},
+    {"cp": 2},
+    {"tp": 2, "pp": 2, "sequence_parallel": True},
+    {"tp": 2, "pp": 2, "vpp": 2},
+    {"tp": 2, "pp": 2, "distributed_optimizer": True, "overlap_grad_reduce": True},
+    {"tp": 2, "cp": 2, "sequence_parallel": True},
+    {"pp": 2, "cp": 2},
+]
+
+
+def _world(layout: dict[str, object], dp: int) -> int:
+    return int(layout.get("tp", 1)) * int(layout.get("pp", 1)) * int(layout.get("cp", 1)) * dp  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_training_matches_single_process(
+    dist_pool: DistPool, layout: dict[str, object], dp: int
+) -> None:
+    assert _world(layout, dp) <= 8
+    _check(dist_pool, layout, {}, dp)
+
+
+MODEL_CASES = [
+    ({"pp": 2}, {"tie_embeddings": True}, 2),
+    ({"tp": 2, "pp": 2, "sequence_parallel": True}, {"tie_embeddings": True, "qk_norm": True}, 2),
+    (
+        {"tp": 2, "cp": 2},
+        {"norm": "layernorm", "activation": "gelu", "position": "learned", "add_bias": True},
+        1,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "model", "dp"),
+    MODEL_CASES,
+    ids=["tied-pp2-dp2", "tied-qknorm-tp2-pp2-sp-dp2", "layernorm-gelu-learned-bias-tp2-cp2"],
+)
+def test_model_variants_match_single_process(
+    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
+) -> None:
+    _check(dist_pool, layout, model, dp)
