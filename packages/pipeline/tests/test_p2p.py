@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ from torch.distributed import ProcessGroup
 
 from mega_parallel_grid.testing import DistPool, rank_device
 from mega_pipeline import P2PCommunicator
+from mega_pipeline.p2p import group_device
 
 
 def _group(**kwargs: Any) -> ProcessGroup:
@@ -156,3 +157,16 @@ def test_constructor_checks_arguments(dist_pool: DistPool) -> None:
         "tensor_shape (2, 0) must be a non-empty sequence of positive integers",
         "dtype ('bf16') must be a torch.dtype, e.g. torch.bfloat16",
     ]
+
+
+def test_group_device_follows_nccl_also_beside_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A "cpu:gloo,cuda:nccl" group (gloo for CPU tensors) still sends activations by NCCL."""
+    group = cast(ProcessGroup, object())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for backend, expected in (
+        ("nccl", torch.device("cuda", 1)),
+        ("cpu:gloo,cuda:nccl", torch.device("cuda", 1)),
+        ("gloo", torch.device("cpu")),
+    ):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert group_device(group) == expected, backend

@@ -5,7 +5,8 @@ also builds the whole stack and runs plain gradient accumulation over the same
 microbatches as the reference. One rank-function call per (pp, vpp) checks, for
 m in {pp, 2pp, 4pp}: losses and gradients, forward_only losses, the executed order of
 forward and backward passes against the pure schedule, the gradient-sync hooks, the peak
-number of microbatches in flight and the freeing of sent outputs.
+number of microbatches in flight and the freeing of sent outputs (plain tensors, views and
+outputs that autograd saved).
 """
 
 from __future__ import annotations
@@ -49,8 +50,22 @@ SHAPE = (2, 3, H)  # [s, b, h]: activations are sequence-first
 RTOL, ATOL = 1e-5, 1e-6
 
 
+class _ViewOut(nn.Module):
+    """``linear`` on the flattened tokens, its 2-D result viewed back: the output is a view."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        s, b, h = x.shape
+        y: Tensor = self.linear(x.reshape(s * b, h))  # [s*b, h]
+        return y.view(s, b, -1)  # [s*b, h] -> [s, b, h]: a view of the 2-D result
+
+
 def _stack() -> list[nn.Module]:
-    """Layers alternate ending in tanh (its output saved for backward) and in Linear (not)."""
+    """Even layers end in tanh (its output saved for backward); odd ones in Linear (not
+    saved): plain nn.Linear at i % 4 == 1, a view of a 2-D Linear result at i % 4 == 3."""
     gen = torch.Generator().manual_seed(0)
     layers: list[nn.Module] = []
     for i in range(LAYERS):
@@ -58,9 +73,10 @@ def _stack() -> list[nn.Module]:
         with torch.no_grad():
             linear.weight.copy_(torch.randn(H, H, generator=gen) / H**0.5)
             linear.bias.copy_(torch.randn(H, generator=gen) * 0.1)
-        layers.append(
-            nn.Sequential(linear, nn.Tanh()) if i % 2 == 0 else nn.Sequential(nn.Tanh(), linear)
-        )
+        if i % 2 == 0:
+            layers.append(nn.Sequential(linear, nn.Tanh()))
+        else:
+            layers.append(nn.Sequential(nn.Tanh(), linear if i % 4 == 1 else _ViewOut(linear)))
     return layers
 
 
@@ -98,7 +114,7 @@ class _Recorder:
         self.device = device
         self.trace: list[tuple[Any, ...]] = []
         self.no_sync: int | None = None
-        self.live: list[weakref.ref[Tensor]] = []
+        self.live: list[tuple[weakref.ref[Tensor], weakref.ref[torch.UntypedStorage]]] = []
         self.peak_live = 0
         self.sync_grads: dict[int, list[Tensor]] = {}
         self.chunks: list[nn.Module] = []
@@ -111,17 +127,23 @@ class _Recorder:
         self.trace.append(("F", mb, chunk.chunk))
         out = chunk(x.to(self.device))
         if out.requires_grad:
-            ref = weakref.ref(out)
+            ref, storage = weakref.ref(out), weakref.ref(out.untyped_storage())
             last = chunk.is_last_stage
             key = (mb, chunk.chunk)
+            saved = isinstance(list(chunk.module.modules())[-1], nn.Tanh)
 
             def on_backward(grad: Tensor) -> None:
                 t = ref()
-                freed = t is not None and is_deallocated(t)
+                if saved:  # autograd holds the storage; the executor's tensor must not
+                    freed = t is not None and is_deallocated(t)
+                else:  # the memory itself is gone (a view was swapped for an alias and freed)
+                    freed = storage() is None
                 self.trace.append(("B", *key, self.no_sync, freed or last))
 
             out.register_hook(on_backward)
-            self.live = [r for r in self.live if r() is not None] + [ref]
+            # an output is live while its tensor object or its storage is
+            self.live = [(r, s) for r, s in self.live if r() is not None or s() is not None]
+            self.live.append((ref, storage))
             self.peak_live = max(self.peak_live, len(self.live))
         return out, partial(self.loss, y=y.to(self.device))
 

@@ -1,8 +1,11 @@
 """Column/Row parallel linear layers == nn.Linear on the full weights, for tp 1-4, SP on/off.
 
-Tolerance: fp32 on CPU; the parallel run sums the same products in another order (partial
+Tolerance: fp32; the parallel run sums the same products in another order (partial
 sums over tp ranks, GEMMs of other shapes), so outputs and gradients of O(1) agree to
-rtol=1e-5, atol=1e-6 (about 100 ulps of the summed terms).
+rtol=1e-5, atol=1e-6 (about 100 ulps of the summed terms). Random values are drawn on the
+CPU (the same on any machine) and the reference then runs on the layers' device
+(``rank_device()``), so both sides use the same kernels: CPU and GPU kernels round
+differently, which this tolerance does not cover.
 """
 
 from __future__ import annotations
@@ -81,6 +84,16 @@ def _full(shape: tuple[int, ...], name: str, std: float = 0.3) -> Tensor:
     return init_full(shape, Normal(std), param_generator(SEED, name))
 
 
+def _randn(*shape: int, device: torch.device) -> Tensor:
+    """Drawn on the CPU generator (the same values on any machine), then moved to ``device``."""
+    return torch.randn(*shape).to(device)
+
+
+def _leaf(t: Tensor, device: torch.device) -> Tensor:
+    """A fresh copy of ``t`` on ``device`` that collects a gradient (a reference input)."""
+    return t.detach().to(device, copy=True).requires_grad_()
+
+
 def _load(param: Tensor | None, full: Tensor) -> None:
     """Copy this rank's shard of ``full`` into ``param`` (by its shard spec)."""
     assert param is not None
@@ -112,7 +125,9 @@ def _check_mlp(tp: int, sp: bool) -> dict[str, list[tuple[str, bool]]]:
     # rule 2: the layers drew exactly their slice of the full weights
     assert torch.equal(fc1.weight.detach().cpu(), shard_tensor(w1, 0, rank, tp))
     assert torch.equal(fc2.weight.detach().cpu(), shard_tensor(w2, 1, rank, tp))
-    b1, b2, ln_w, ln_b = torch.randn(FFN), torch.randn(H), torch.randn(H), torch.randn(H)
+    w1, w2 = w1.to(dev), w2.to(dev)
+    b1, b2 = _randn(FFN, device=dev), _randn(H, device=dev)
+    ln_w, ln_b = _randn(H, device=dev), _randn(H, device=dev)
     _load(fc1.bias, b1)
     _load(fc2.bias, b2)
     with torch.no_grad():
@@ -122,19 +137,19 @@ def _check_mlp(tp: int, sp: bool) -> dict[str, list[tuple[str, bool]]]:
         mark_replicated(p, g)
         if sp:
             mark_sequence_parallel(p)
-    x, dy = torch.randn(S, B, H), torch.randn(S, B, H)
+    x, dy = _randn(S, B, H, device=dev), _randn(S, B, H, device=dev)
 
-    ref = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2, ln_w, ln_b)]
+    ref = [_leaf(t, dev) for t in (x, w1, b1, w2, b2, ln_w, ln_b)]
     xr, w1r, b1r, w2r, b2r, lnwr, lnbr = ref
     hr = F.layer_norm(xr, (H,), lnwr, lnbr)
     y_ref = xr + F.linear(F.gelu(F.linear(hr, w1r, b1r)), w2r, b2r)
     y_ref.backward(dy)
 
-    xp = _seq(x, sp, rank, tp).to(dev).requires_grad_()
+    xp = _seq(x, sp, rank, tp).requires_grad_()
     with count_collectives() as forward_calls:
         y = xp + fc2(F.gelu(fc1(norm(xp))))
     with count_collectives() as backward_calls:
-        y.backward(_seq(dy, sp, rank, tp).to(dev))
+        y.backward(_seq(dy, sp, rank, tp))
     sync_sequence_parallel_grads([*norm.parameters(), *fc2.parameters()], g)
 
     _close(y, _seq(y_ref, sp, rank, tp), "output")
@@ -168,22 +183,23 @@ def _check_attention(tp: int, sp: bool) -> dict[str, list[tuple[str, bool]]]:
         H, H, tp_group=g, sequence_parallel=sp, init_method=Normal(0.3), seed=SEED,
         name="attn.proj", device=dev,
     )  # fmt: skip
-    w_qkv, w_proj = _full((3 * H, H), "attn.qkv.weight"), _full((H, H), "attn.proj.weight")
-    b_qkv, b_proj = torch.randn(3 * H), torch.randn(H)
+    w_qkv = _full((3 * H, H), "attn.qkv.weight").to(dev)
+    w_proj = _full((H, H), "attn.proj.weight").to(dev)
+    b_qkv, b_proj = _randn(3 * H, device=dev), _randn(H, device=dev)
     _load(qkv.bias, b_qkv)
     _load(proj.bias, b_proj)
-    x, dy = torch.randn(S, B, H), torch.randn(S, B, H)
+    x, dy = _randn(S, B, H, device=dev), _randn(S, B, H, device=dev)
 
-    ref = [t.clone().requires_grad_() for t in (x, w_qkv, b_qkv, w_proj, b_proj)]
+    ref = [_leaf(t, dev) for t in (x, w_qkv, b_qkv, w_proj, b_proj)]
     xr, wqr, bqr, wpr, bpr = ref
     y_ref = F.linear(_attention(F.linear(xr, wqr, bqr), HEADS), wpr, bpr)
     y_ref.backward(dy)
 
-    xp = _seq(x, sp, rank, tp).to(dev).requires_grad_()
+    xp = _seq(x, sp, rank, tp).requires_grad_()
     with count_collectives() as forward_calls:
         y = proj(_attention(qkv(xp), HEADS // tp))
     with count_collectives() as backward_calls:
-        y.backward(_seq(dy, sp, rank, tp).to(dev))
+        y.backward(_seq(dy, sp, rank, tp))
     sync_sequence_parallel_grads(proj.parameters(), g)
 
     _close(y, _seq(y_ref, sp, rank, tp), "output")
@@ -230,45 +246,45 @@ def _check_column_variants(tp: int) -> None:
     """gather_output, skip_bias_add, input_is_parallel=False, bias=False."""
     g = init_process_groups(ParallelConfig(tp=tp)).tp
     rank, dev = dist.get_rank(g), rank_device()
-    w, bias = _full((FFN, H), "col.weight"), torch.randn(FFN)
-    x = torch.randn(S, B, H)
-    y_ref = F.linear(x, w, bias)
+    w, bias = _full((FFN, H), "col.weight").to(dev), _randn(FFN, device=dev)
+    x = _randn(S, B, H, device=dev)
+    y_ref = F.linear(x, w, bias)  # the reference, on the layers' device
 
     gathered = ColumnParallelLinear(
         H, FFN, tp_group=g, gather_output=True, init_method=Normal(0.3), seed=SEED,
         name="col", device=dev,
     )  # fmt: skip
     _load(gathered.bias, bias)
-    xg = x.clone().to(dev).requires_grad_()
+    xg = x.clone().requires_grad_()
     out = gathered(xg)
     _close(out, y_ref, "gather_output")
     out.backward(torch.ones_like(out))
-    _close(_grad(xg), torch.ones(S, B, FFN) @ w, "gather_output input grad")
+    _close(_grad(xg), torch.ones(S, B, FFN, device=dev) @ w, "gather_output input grad")
 
     skipped = ColumnParallelLinear(
         H, FFN, tp_group=g, skip_bias_add=True, init_method=Normal(0.3), seed=SEED,
         name="col", device=dev,
     )  # fmt: skip
     _load(skipped.bias, bias)
-    out = skipped(x.to(dev))
+    out = skipped(x)
     _close(out + skipped.bias, shard_tensor(y_ref, -1, rank, tp), "skip_bias_add")
     _close(out, shard_tensor(F.linear(x, w), -1, rank, tp), "skip_bias_add leaves the bias")
 
     no_bias = ColumnParallelLinear(H, FFN, tp_group=g, bias=False, device=dev)
     assert no_bias.bias is None and len(list(no_bias.parameters())) == 1
 
-    w2, b2 = _full((H, FFN), "row.weight"), torch.randn(H)
+    w2, b2 = _full((H, FFN), "row.weight").to(dev), _randn(H, device=dev)
     row = RowParallelLinear(
         FFN, H, tp_group=g, input_is_parallel=False, skip_bias_add=True,
         init_method=Normal(0.3), seed=SEED, name="row", device=dev,
     )  # fmt: skip
     _load(row.bias, b2)
-    h = torch.randn(S, B, FFN)
-    hp = h.clone().to(dev).requires_grad_()
+    h = _randn(S, B, FFN, device=dev)
+    hp = h.clone().requires_grad_()
     out = row(hp)
     _close(out, F.linear(h, w2), "row input_is_parallel=False, skip_bias_add")
     out.backward(torch.ones_like(out))
-    _close(_grad(hp), torch.ones(S, B, H) @ w2, "row scatter backward")
+    _close(_grad(hp), torch.ones(S, B, H, device=dev) @ w2, "row scatter backward")
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

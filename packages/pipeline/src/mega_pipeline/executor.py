@@ -120,8 +120,8 @@ class _Runner:
         if out_key is not None:
             if self.forward_only:
                 del s.outputs[out_key]
-            else:
-                deallocate_output(s.outputs[out_key])
+            else:  # a view is swapped for a freed viewless alias: the view object is dropped
+                s.outputs[out_key] = deallocate_output(s.outputs[out_key])
         if in_key is not None:
             assert from_prev is not None
             s.inputs[in_key] = from_prev.requires_grad_(not self.forward_only)

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from mega_pipeline.p2p import group_device
+
 __all__ = ["broadcast_losses"]
 
 
@@ -29,8 +31,7 @@ def broadcast_losses(
     if size == 1:
         return list(losses)
     if device is None:
-        nccl = dist.get_backend(pp_group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        device = group_device(pp_group)
     src = dist.get_global_rank(pp_group, size - 1)
     is_src = dist.get_rank(pp_group) == size - 1
     names = sorted(losses[0]) if is_src and losses else []

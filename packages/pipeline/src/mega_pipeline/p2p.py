@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["MAX_DIMS", "P2PCommunicator"]
+__all__ = ["MAX_DIMS", "P2PCommunicator", "group_device"]
 
 #: Most dimensions an activation may have in variable-shape mode.
 MAX_DIMS = 8
@@ -17,8 +17,13 @@ MAX_DIMS = 8
 _CONTRACT_BYTES = 128
 
 
-def _default_device(group: ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "nccl":
+def group_device(group: ProcessGroup) -> torch.device:
+    """The current CUDA device when ``group`` runs NCCL, else the CPU.
+
+    A group whose backend string names NCCL for CUDA tensors beside another backend
+    (e.g. ``"cpu:gloo,cuda:nccl"``) counts as NCCL: its CUDA tensors travel by NCCL.
+    """
+    if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -75,7 +80,7 @@ class P2PCommunicator:
         )
         self.dtype = dtype
         self.variable_shapes = variable_shapes
-        self.device = torch.device(device) if device is not None else _default_device(pp_group)
+        self.device = torch.device(device) if device is not None else group_device(pp_group)
         self.next_rank = dist.get_global_rank(pp_group, (self.rank + 1) % self.size)
         self.prev_rank = dist.get_global_rank(pp_group, (self.rank - 1) % self.size)
         if self.size > 1:
