@@ -95,7 +95,10 @@ def _tp_contract(tp: int, sp: bool, changes: dict[str, object]) -> None:
     local_ref = out_ref.detach().chunk(tp)[rank] if sp else out_ref.detach()
     assert x.grad is not None and local_x.grad is not None
     local_grad = x.grad.chunk(tp)[rank] if sp else x.grad
-    for what, mine, full in (("output", out.detach(), local_ref), ("input grad", local_x.grad, local_grad)):
+    for what, mine, full in (
+        ("output", out.detach(), local_ref),
+        ("input grad", local_x.grad, local_grad),
+    ):
         torch.testing.assert_close(mine.cpu(), full, rtol=2e-5, atol=2e-5 * float(full.abs().max()),
                                    msg=lambda m, w=what: f"{w}: {m}")  # fmt: skip
     for (name, p), p_ref in zip(mixer.named_parameters(), ref.parameters(), strict=True):

@@ -16,14 +16,16 @@ from mega_models.ssd import ssd_chunked, ssd_sequential
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 
 
-def _inputs(l: int, b: int, h: int, p: int, g: int, n: int, seed: int = 0) -> list[torch.Tensor]:
+def _inputs(
+    length: int, b: int, h: int, p: int, g: int, n: int, seed: int = 0
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     f64 = torch.float64
-    x = torch.randn(l, b, h, p, generator=gen, dtype=f64)
-    dt = torch.rand(l, b, h, generator=gen, dtype=f64) * 0.9 + 0.05  # steps in (0.05, 0.95)
+    x = torch.randn(length, b, h, p, generator=gen, dtype=f64)
+    dt = torch.rand(length, b, h, generator=gen, dtype=f64) * 0.9 + 0.05  # steps in (0.05, 0.95)
     A = -(torch.rand(h, generator=gen, dtype=f64) * 3.0 + 0.1)  # decays in (-3.1, -0.1)
-    B = torch.randn(l, b, g, n, generator=gen, dtype=f64)
-    C = torch.randn(l, b, g, n, generator=gen, dtype=f64)
+    B = torch.randn(length, b, g, n, generator=gen, dtype=f64)
+    C = torch.randn(length, b, g, n, generator=gen, dtype=f64)
     return [t.requires_grad_() for t in (x, dt, A, B, C)]
 
 
@@ -66,11 +68,11 @@ def test_flop_formula_matches_counted_matmuls() -> None:
     """ssd_flops_per_token counts exactly the matmuls ssd_chunked issues."""
     config = HybridConfig(hidden_size=32, mamba_head_dim=8, mamba_num_groups=2,
                           mamba_state_dim=4, mamba_chunk_size=4)  # fmt: skip
-    l, b, h = 16, 2, config.mamba_num_heads
-    x, dt, A, B, C = (t.detach().float() for t in _inputs(l, b, h, 8, 2, 4))
+    length, b, h = 16, 2, config.mamba_num_heads
+    x, dt, A, B, C = (t.detach().float() for t in _inputs(length, b, h, 8, 2, 4))
     with FlopCounterMode(display=False) as counter:
         ssd_chunked(x, dt, A, B, C, config.mamba_chunk_size)
-    assert counter.get_total_flops() == ssd_flops_per_token(config, l) * l * b
+    assert counter.get_total_flops() == ssd_flops_per_token(config, length) * length * b
 
 
 def test_bad_shapes_raise_one_sentence() -> None:

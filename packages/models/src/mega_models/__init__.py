@@ -5,20 +5,44 @@ from mega_models.context_parallel import context_parallel_attention, zigzag_posi
 from mega_models.flops import forward_flops_per_token, matmul_params, model_flops_per_token
 from mega_models.gpt import GPTModel
 from mega_models.grads import finalize_model_grads
+from mega_models.hybrid import HybridLayer, HybridModel
+from mega_models.hybrid_config import LAYER_KINDS, HybridConfig
+from mega_models.hybrid_flops import (
+    hybrid_flops_per_token,
+    hybrid_matmul_params,
+    ssd_flops_per_token,
+)
+from mega_models.hybrid_sizes import HYBRID_SIZES, hybrid_config
+from mega_models.mamba import ALogInit, DtBiasInit, Mamba2Mixer
 from mega_models.registry import MODEL_SIZES, model_config
+from mega_models.ssd import ssd_chunked, ssd_sequential
 from mega_models.stages import StageSpec, stage_spec
 
 __all__ = [
+    "HYBRID_SIZES",
+    "LAYER_KINDS",
     "MODEL_SIZES",
+    "ALogInit",
+    "DtBiasInit",
     "GPTConfig",
     "GPTModel",
+    "HybridConfig",
+    "HybridLayer",
+    "HybridModel",
+    "Mamba2Mixer",
     "StageSpec",
     "context_parallel_attention",
     "finalize_model_grads",
     "forward_flops_per_token",
+    "hybrid_config",
+    "hybrid_flops_per_token",
+    "hybrid_matmul_params",
     "matmul_params",
     "model_config",
     "model_flops_per_token",
+    "ssd_chunked",
+    "ssd_flops_per_token",
+    "ssd_sequential",
     "stage_spec",
     "zigzag_positions",
     "zigzag_split",

@@ -1,3 +1,39 @@
-"""mega_moe (not built yet; see README.md)."""
+"""Mixture-of-experts layers: top-k routers, token dispatchers, grouped experts, ep and etp."""
 
-__all__: list[str] = []
+from mega_moe.collect import moe_aux_loss, moe_tokens_per_expert, update_expert_biases
+from mega_moe.config import ACTIVATIONS, DISPATCHERS, EXPERT_IMPLS, MoEConfig, RouterConfig
+from mega_moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher, Dispatched
+from mega_moe.expert_shard import EXPERT_ATTR, ExpertShard, expert_shard, gather_expert_weight
+from mega_moe.experts import EtpSlice, GroupedMLP, SequentialMLP
+from mega_moe.flops import moe_activated_params, moe_flops_per_token
+from mega_moe.layer import MoELayer
+from mega_moe.router import Routing, RoutingStats, TopKRouter
+from mega_moe.shared import SharedExpertMLP
+
+__all__ = [
+    "ACTIVATIONS",
+    "DISPATCHERS",
+    "EXPERT_ATTR",
+    "EXPERT_IMPLS",
+    "AllGatherDispatcher",
+    "AllToAllDispatcher",
+    "Dispatched",
+    "EtpSlice",
+    "ExpertShard",
+    "GroupedMLP",
+    "MoEConfig",
+    "MoELayer",
+    "RouterConfig",
+    "Routing",
+    "RoutingStats",
+    "SequentialMLP",
+    "SharedExpertMLP",
+    "TopKRouter",
+    "expert_shard",
+    "gather_expert_weight",
+    "moe_activated_params",
+    "moe_aux_loss",
+    "moe_flops_per_token",
+    "moe_tokens_per_expert",
+    "update_expert_biases",
+]

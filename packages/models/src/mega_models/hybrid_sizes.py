@@ -1,0 +1,33 @@
+"""Named hybrid model sizes."""
+
+from __future__ import annotations
+
+from mega_models.hybrid_config import HybridConfig
+
+__all__ = ["HYBRID_SIZES", "hybrid_config"]
+
+HYBRID_SIZES: dict[str, HybridConfig] = {
+    # CPU, seconds: the contract tests' model (vocab not divisible by tp, 2 Mamba groups).
+    "hybrid-tiny": HybridConfig(
+        vocab_size=257, hidden_size=64, num_layers=8, pattern="M*M-M*M-",
+        num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128, max_seq_len=256,
+        mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2, mamba_chunk_size=16,
+    ),
+    # Beside the GPT "1b" size (same width, vocab, attention and MLP shapes): 15 Mamba,
+    # 5 attention and 15 MLP layers, ~1.0B parameters besides the embeddings.
+    "hybrid-1b": HybridConfig(
+        vocab_size=32000, hidden_size=2048, num_layers=35, pattern="M-M-M*-" * 5,
+        num_attention_heads=16, num_query_groups=4, ffn_hidden_size=5632, max_seq_len=2048,
+        mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8, mamba_chunk_size=128,
+    ),
+}  # fmt: skip
+
+
+def hybrid_config(name: str) -> HybridConfig:
+    """The registered hybrid config called ``name``."""
+    try:
+        return HYBRID_SIZES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown hybrid size {name!r}; known sizes: {', '.join(HYBRID_SIZES)}"
+        ) from None

@@ -1,0 +1,72 @@
+"""One GEMM per expert over contiguous row blocks: ``torch._grouped_mm`` or a loop.
+
+``torch._grouped_mm`` exists from torch 2.8 (CUDA, bf16, sm80+); its CPU kernel from 2.9.
+Both need 16-byte aligned strides and data pointers. Where it cannot run, the same
+product is computed by a loop of ``F.linear`` over the experts' row blocks.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.torch_version import TorchVersion
+
+__all__ = ["expert_activation", "grouped_linear", "grouped_mm_available"]
+
+
+def _aligned(t: Tensor, *dims: int) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(d * size % 16 == 0 for d in dims)
+
+
+def grouped_mm_available(x: Tensor, *weights: Tensor) -> bool:
+    """True when ``torch._grouped_mm`` runs here for ``x [M, in]`` and ``[L, out, in]`` weights."""
+    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
+        return False
+    if x.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(x.device)
+        if x.dtype != torch.bfloat16 or capability < (8, 0):
+            return False
+    elif x.device.type == "cpu":
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if TorchVersion(torch.__version__) < "2.9":
+            return False
+    else:
+        return False
+    if any(w.dtype != x.dtype for w in weights) or not x.is_contiguous():
+        return False
+    return _aligned(x, x.shape[1]) and all(
+        w.is_contiguous() and _aligned(w, w.shape[1], w.shape[2]) for w in weights
+    )
+
+
+def _contiguous(grad: Tensor) -> Tensor:
+    return grad.contiguous()
+
+
+def grouped_linear(x: Tensor, weight: Tensor, counts: list[int], use_grouped_mm: bool) -> Tensor:
+    """``[M, in] -> [M, out]``: rows of expert l (``counts[l]`` of them) times ``weight[l].T``.
+
+    ``weight`` is ``[L, out, in]`` (the nn.Linear layout per expert).
+    """
+    if use_grouped_mm:
+        ends = list(accumulate(counts))
+        offs = torch.tensor(ends, dtype=torch.int32, device=x.device)
+        out: Tensor = torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+        if out.requires_grad:
+            out.register_hook(_contiguous)  # type: ignore[no-untyped-call]  # dense grads
+        return out
+    blocks = torch.split(x, counts)
+    return torch.cat([F.linear(block, weight[e]) for e, block in enumerate(blocks)])
+
+
+def expert_activation(h: Tensor, gated: bool) -> Tensor:
+    """SwiGLU on ``[..., 2*f]`` (gate half, then up half) or tanh-GeLU on ``[..., f]``."""
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh")
