@@ -1,0 +1,128 @@
+"""mega's training step on one GPU (or a torchrun group), side by side with the anchors.
+
+    python3 bench/mega_step.py --size 1b-bench --mb 8 [--compile]      # one GPU
+    torchrun --nproc-per-node 2 bench/mega_step.py --size 1b-bench --tp 2 --sp
+    python3 bench/mega_step.py --smoke                                   # CPU, tiny
+
+Runs the trainer's own build (GPTModel, mega-zero-optim DDP + distributed optimizer with
+fp32 master weights and fused AdamW, bf16 parameters) and step (mega-pipeline schedule),
+on random tokens; 5 warm-up steps, then 20 timed with CUDA events; the median is reported.
+Appends one JSON line in the anchors' schema to $OUT/results.jsonl and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from mega_models import model_flops_per_token
+from mega_parallel_grid import init_process_groups
+from mega_pretrain.build import build, gpt_config, parallel_config, param_dtype
+from mega_pretrain.config import load_config
+from mega_pretrain.runtime import start_distributed
+from mega_pretrain.step import StepRunner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="1b-bench")
+    ap.add_argument("--mb", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per step per dp rank")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--recompute", default="none")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        args.size, args.mb, args.seq, args.steps, args.warmup = "tiny", 2, 64, 2, 1
+    cuda = torch.cuda.is_available()
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if cuda
+        else torch.device("cpu")
+    )
+    from datetime import timedelta
+
+    start_distributed(device, timedelta(minutes=10))
+    world = dist.get_world_size()
+    dp = world // (args.tp * args.pp)
+    overrides = [
+        ("model.size", args.size), ("train.seq_len", str(args.seq)),
+        ("train.micro_batch_size", str(args.mb)),
+        ("train.global_batch_size", str(args.mb * args.accum * dp)),
+        ("train.precision", "bf16" if cuda else "fp32"), ("train.compile", str(args.compile).lower()),
+        ("train.recompute", args.recompute), ("parallel.tp", str(args.tp)), ("parallel.pp", str(args.pp)),
+        ("parallel.sequence_parallel", str(args.sp).lower()),
+    ]  # fmt: skip
+    config = load_config(None, overrides)
+    model = gpt_config(config)
+    groups = init_process_groups(parallel_config(config))
+    built = build(config, groups, device)
+    runner = StepRunner(
+        built, groups, seq_len=args.seq, micro_batch_size=args.mb, hidden_size=model.hidden_size,
+        dtype=param_dtype(config), device=device, sequence_parallel=args.sp,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(1 + groups.rank("dp"))
+    batches = []
+    for _ in range(args.accum):
+        tokens = torch.randint(0, model.vocab_size, (args.mb, args.seq + 1), generator=gen)
+        batches.append(
+            (
+                tokens[:, :-1].pin_memory() if cuda else tokens[:, :-1],
+                tokens[:, 1:].pin_memory() if cuda else tokens[:, 1:],
+            )
+        )
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        loss, _ = runner.train_step(batches, 3e-4)
+    first_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss, _ = runner.train_step(batches, 3e-4)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            s = time.perf_counter()
+            loss, _ = runner.train_step(batches, 3e-4)
+            times.append(1e3 * (time.perf_counter() - s))
+    med = statistics.median(times)
+    tokens = args.mb * args.accum * args.seq * dp
+    flops = model_flops_per_token(model, args.seq)
+    tok_s = tokens / (med / 1e3)
+    result = {
+        "system": f"mega{'-compile' if args.compile else '-eager'}", "size": args.size, "mb": args.mb,
+        "tp": args.tp, "pp": args.pp, "dp": dp, "sp": args.sp, "world": world,
+        "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world, "step_ms_median": med,
+        "step_ms_min": min(times), "step_ms_max": max(times), "flops_per_token": flops,
+        "model_tflops": tok_s * flops / world / 1e12, "loss": float(loss), "warmup_s": first_s,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else 0.0,
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+    }  # fmt: skip
+    if dist.get_rank() == 0:
+        line = json.dumps(result, sort_keys=True)
+        print("RESULT " + line, flush=True)
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "results.jsonl"), "a") as f:
+                f.write(line + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
