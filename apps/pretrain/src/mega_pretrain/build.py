@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from mega_models import GPTConfig, GPTModel, model_config, stage_spec
+from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 from mega_pretrain.config import TrainerConfig
 from mega_tp_layers import RNGStatesTracker, tp_rng_tracker
@@ -20,12 +22,22 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class Built:
-    """What one rank trains: its model chunks (one per virtual stage), DDP, optimizer."""
+    """What one rank trains: its model chunks (one per virtual stage), DDP, optimizer.
+
+    ``ddp`` reduces the dense parameters' gradients over dp x cp; an MoE model also has
+    ``expert_ddp``, which reduces the expert weights' over the expert data-parallel group.
+    """
 
     chunks: list[GPTModel]
     ddp: DistributedDataParallel
     optimizer: DistributedOptimizer
     rng: RNGStatesTracker
+    expert_ddp: DistributedDataParallel | None = None
+
+    @property
+    def ddps(self) -> list[DistributedDataParallel]:
+        """Every data-parallel wrapper: the dense one, then the experts' (MoE models)."""
+        return [self.ddp] if self.expert_ddp is None else [self.ddp, self.expert_ddp]
 
 
 def parallel_config(config: TrainerConfig) -> ParallelConfig:
@@ -65,11 +77,23 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     # the two stages' gradient buffers; after a reduce-scatter each dp rank would hold
     # different parts of them, so such models all-reduce gradients (state stays sharded).
     tied_across_stages = model.tie_embeddings and pp > 1
-    ddp = DistributedDataParallel(
-        nn.ModuleList(chunks), dp_group=groups.dp_cp, bucket_size=p.bucket_size,
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        use_distributed_optimizer=p.distributed_optimizer and not tied_across_stages,
-    )  # fmt: skip
+    wrapped = nn.ModuleList(chunks)
+    common: dict[str, Any] = {
+        "bucket_size": p.bucket_size, "overlap_grad_reduce": p.overlap_grad_reduce,
+        "use_distributed_optimizer": p.distributed_optimizer and not tied_across_stages,
+    }  # fmt: skip
+    expert_ddp = None
+    if model.is_moe:
+        # Expert weights are replicated only over edp, but each one's gradient already sums
+        # the tokens of its whole ep group: summed over edp and scaled by 1/(dp*cp) it is the
+        # same mean over the global batch as the dense gradients' average over dp x cp.
+        ddp = DistributedDataParallel(wrapped, dp_group=groups.dp_cp, param_filter=_dense, **common)
+        expert_ddp = DistributedDataParallel(
+            wrapped, dp_group=groups.edp, param_filter=_expert, grad_reduce="sum",
+            grad_scale=1.0 / groups.size("dp_cp"), **common,
+        )  # fmt: skip
+    else:
+        ddp = DistributedDataParallel(wrapped, dp_group=groups.dp_cp, **common)
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for name, param in ddp.named_parameters():
@@ -81,10 +105,20 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused,
     )  # fmt: skip
+    # expert weights differ over ep x etp: every rank counts its own shards once in the norm
     optimizer = DistributedOptimizer(
-        adam, ddp, max_grad_norm=t.clip_grad if t.clip_grad > 0 else None,
+        adam, ddp if expert_ddp is None else [ddp, expert_ddp],
+        max_grad_norm=t.clip_grad if t.clip_grad > 0 else None,
         grad_norm_group=groups.world,
         loss_scaler=DynamicLossScaler() if t.precision == "fp16" else None,
         overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
     )  # fmt: skip
-    return Built(chunks, ddp, optimizer, rng)
+    return Built(chunks, ddp, optimizer, rng, expert_ddp)
+
+
+def _expert(_: str, param: nn.Parameter) -> bool:
+    return expert_shard(param) is not None
+
+
+def _dense(name: str, param: nn.Parameter) -> bool:
+    return not _expert(name, param)

@@ -105,6 +105,8 @@ class TrainConfig:
     """Steps between evaluations on the validation split (0 disables)."""
     eval_steps: int = 4
     """Micro-batches per dp rank in one evaluation."""
+    exit_interval: int = 0
+    """Save and exit once the step is a multiple of this (time-sliced cluster jobs); 0: never."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/inf loss or gradient: stop with the step number, or skip the step."""
 

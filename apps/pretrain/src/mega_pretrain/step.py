@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mega_models import GPTModel, finalize_model_grads, zigzag_split
+from mega_moe import MoELayer, update_expert_biases
 from mega_parallel_grid import ProcessGroups
 from mega_pipeline import (
     DataIterator,
@@ -36,6 +37,11 @@ class StepRunner:
     sequence. The loss of a micro-batch is the mean over its tokens; the schedule averages
     over micro-batches and the DDP over dp x cp, so the gradient is the mean over the
     global batch.
+
+    MoE models: each micro-batch's loss also holds the router losses of the micro-batch,
+    which enter backward inside the MoE layers (so every pipeline stage trains its own),
+    weighted like the language-model loss; after each optimizer step the aux-loss-free
+    expert biases move toward balance.
     """
 
     def __init__(
@@ -51,6 +57,8 @@ class StepRunner:
         sequence_parallel: bool,
     ) -> None:
         self.built, self.groups, self.device = built, groups, device
+        self.model = nn.ModuleList(built.chunks)
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
         self.cp, self.cp_rank = groups.size("cp"), groups.rank("cp")
         self.pp = groups.size("pp")
         vpp = len(built.chunks) if len(built.chunks) > 1 else None
@@ -83,13 +91,36 @@ class StepRunner:
 
         return out, loss_func
 
+    def _set_aux_loss_scale(self, num_microbatches: int) -> None:
+        """The router losses' gradient: the language-model loss's weight in backward.
+
+        The schedule divides each micro-batch's loss by their number, the loss scaler (fp16)
+        multiplies it, and the DDP averages over dp x cp. The router losses of one rank are
+        its shares of the loss over the tp x cp ranks of its micro-batch (summed over tp by
+        the layer's own collectives, but averaged over cp by the DDP), hence the factor cp.
+        """
+        scaler = self.built.optimizer.loss_scaler
+        scale = self.cp / num_microbatches * (1.0 if scaler is None else scaler.scale)
+        for layer in self.moe_layers:
+            layer.aux_loss_scale = scale
+
     def _run(self, batches: Sequence[Microbatch], forward_only: bool) -> Tensor:
         chunks: list[GPTModel] = self.built.chunks
-        ddp = self.built.ddp
+        ddps = self.built.ddps
+
+        @contextmanager
+        def no_sync_all() -> Iterator[None]:
+            with ExitStack() as stack:
+                for ddp in ddps:
+                    stack.enter_context(ddp.no_sync())
+                yield
 
         def no_sync(_: int) -> AbstractContextManager[None]:
-            return ddp.no_sync()
+            return no_sync_all()
 
+        optimizer = self.built.optimizer
+        if not forward_only:
+            self._set_aux_loss_scale(len(batches))
         losses = self.schedule(
             forward_step=self._forward_step,
             data_iterator=[iter(batches) for _ in chunks],
@@ -98,6 +129,7 @@ class StepRunner:
             communicator=self.communicator,
             forward_only=forward_only,
             no_sync_func=None if forward_only else no_sync,
+            grad_scale_func=optimizer.scale_loss if optimizer.loss_scaler is not None else None,
         )
         losses = broadcast_losses(losses, self.groups.pp, device=self.device)
         mean = torch.stack([d["loss"] for d in losses]).mean()
@@ -111,13 +143,18 @@ class StepRunner:
         optimizer = self.built.optimizer
         for group in optimizer.param_groups:
             group["lr"] = lr
-        self.built.ddp.zero_grad_buffer()
+        for ddp in self.built.ddps:
+            ddp.zero_grad_buffer()
         for chunk in self.built.chunks:
             chunk.train()
         loss = self._run(batches, forward_only=False)
-        self.built.ddp.finish_grad_sync()
+        for ddp in self.built.ddps:
+            ddp.finish_grad_sync()
         finalize_model_grads(self.built.chunks, self.groups)
-        return loss, optimizer.step()
+        result = optimizer.step()
+        if self.moe_layers:  # every tp x dp x cp replica of a router sees the same summed load
+            update_expert_biases(self.model, self.groups.tp_dp_cp)
+        return loss, result
 
     @torch.no_grad()
     def eval_step(self, batches: Sequence[Microbatch]) -> Tensor:

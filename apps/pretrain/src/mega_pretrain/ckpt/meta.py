@@ -1,0 +1,387 @@
+"""What a checkpoint holds: tensor keys, the parameters of this rank, meta.json, describing.
+
+A checkpoint is a folder ``<run_dir>/checkpoints/step_<step:08d>`` with
+
+* ``meta.json``: the step, the trainer state, the layout it was saved at, and for every
+  parameter (by its chunk-independent path, global layer indices) the full shape without
+  vocabulary padding, how it was split and the keys of its optimizer pieces;
+* torch.distributed.checkpoint files (``.metadata``, ``__<rank>_0.distcp``) with the tensors
+  keyed ``model/<path>`` (replicated over tp), ``model/<path>/tp<r>of<n>`` (a tp shard) and
+  ``optim/<path>[/tp<r>of<n>]/<start>-<end>/<field>`` (a dp rank's piece of the flattened
+  local shard: ``master``, ``exp_avg``, ``exp_avg_sq``, scalar ``step``);
+* ``rng/rank<r>.pt``: each rank's RNG states (tensors only).
+
+Nothing here runs collectives; everything that reads a file raises :class:`CheckpointError`
+in one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from mega_parallel_grid import ProcessGroups
+from mega_pretrain.build import Built
+from mega_tp_layers import ColumnParallelLinear, VocabParallelEmbedding, shard_spec
+
+__all__ = [
+    "FORMAT",
+    "LATEST_FILE",
+    "META_FILE",
+    "STEP_DIR",
+    "CheckpointError",
+    "LocalParam",
+    "barrier",
+    "cover_range",
+    "dcp_failure",
+    "describe_checkpoint",
+    "gather_objects",
+    "latest_checkpoint",
+    "layout_of",
+    "local_params",
+    "model_key",
+    "natural_key",
+    "one_line",
+    "optim_prefix",
+    "optimizer_names",
+    "read_dcp_metadata",
+    "read_meta",
+    "row_overlaps",
+    "shard_label",
+    "step_dir_name",
+]
+
+#: Format tag written into meta.json; bumped when the layout of the folder changes.
+FORMAT = "mega_pretrain.checkpoint/1"
+META_FILE = "meta.json"
+LATEST_FILE = "latest"
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (missing, damaged, or from another model)."""
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` on one line, at most ``limit`` characters (for error sentences)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def dcp_failure(exc: BaseException) -> str:
+    """A one-line summary of what torch.distributed.checkpoint raised."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = getattr(first, "exception", first)
+        exc = inner if isinstance(inner, BaseException) else exc
+    lines = str(exc).strip().splitlines()
+    return one_line(f"{type(exc).__name__}: {lines[0] if lines else ''}")
+
+
+def natural_key(name: str) -> tuple[int, list[tuple[int, str]]]:
+    """Sort key putting the embedding first, then layers by number, then the head.
+
+    >>> sorted(["output.weight", "layers.10.w", "layers.9.w", "embedding.word.weight"], key=natural_key)
+    ['embedding.word.weight', 'layers.9.w', 'layers.10.w', 'output.weight']
+    """
+    bare = name.removeprefix("model/").removeprefix("optim/")
+    group = (
+        0 if bare.startswith("embedding") else 2 if bare.startswith(("final_norm", "output")) else 1
+    )
+    parts = re.split(r"(\d+)", name)
+    return group, [(int(p), "") if p.isdigit() else (-1, p) for p in parts]
+
+
+def step_dir_name(step: int) -> str:
+    """The folder name of the checkpoint of ``step``."""
+    return f"step_{step:08d}"
+
+
+def shard_label(rank: int, num_shards: int) -> str:
+    """The key part naming tp shard ``rank`` of ``num_shards``."""
+    return f"tp{rank}of{num_shards}"
+
+
+def model_key(path: str, label: str) -> str:
+    """DCP key of a parameter's weight (``label`` empty: replicated over tp)."""
+    return f"model/{path}/{label}" if label else f"model/{path}"
+
+
+def optim_prefix(path: str, label: str, start: int, end: int) -> str:
+    """DCP key prefix of one optimizer piece (append ``/<field>``)."""
+    base = f"optim/{path}/{label}" if label else f"optim/{path}"
+    return f"{base}/{start}-{end}"
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    """One parameter of this rank and how it sits in the full tensor."""
+
+    path: str
+    """Chunk-independent name (``layers.5.attention.qkv.weight``)."""
+    opt_name: str | None
+    """Its name in the DistributedOptimizer's state dict; None when it is not trained."""
+    param: nn.Parameter
+    dim: int | None
+    """Dimension split over tp; None when every tp rank holds the whole tensor."""
+    num_shards: int
+    shard_rank: int
+    shape: tuple[int, ...]
+    """Full shape without vocabulary padding."""
+    padded_shape: tuple[int, ...]
+    """Full shape with vocabulary padding (what the shards split)."""
+
+    @property
+    def label(self) -> str:
+        """The key part of this rank's tp shard; empty when replicated over tp."""
+        return "" if self.dim is None else shard_label(self.shard_rank, self.num_shards)
+
+
+def _real_rows(chunk: nn.Module) -> dict[str, int]:
+    """Parameter path -> real rows along dim 0, for the padded vocabulary tensors."""
+    real: dict[str, int] = {}
+    for mod_name, mod in chunk.named_modules():
+        if isinstance(mod, VocabParallelEmbedding):
+            rows = mod.num_embeddings
+        elif isinstance(mod, ColumnParallelLinear):
+            rows = mod.out_features
+        else:
+            continue
+        for p_name, p in mod.named_parameters():
+            spec = shard_spec(p)
+            if spec is not None and spec.dim == 0 and spec.full_shape[0] > rows:
+                real[f"{mod_name}.{p_name}" if mod_name else p_name] = rows
+    return real
+
+
+def optimizer_names(built: Built) -> dict[int, str]:
+    """id(parameter) -> its name in the DistributedOptimizer's state dict."""
+    ddps = built.optimizer.ddps
+    names: dict[int, str] = {}
+    for i, ddp in enumerate(ddps):
+        prefix = f"{i}." if len(ddps) > 1 else ""
+        for buffer in ddp.param_and_grad_buffers:
+            for name, p in zip(buffer.names, buffer.params, strict=True):
+                names[id(p)] = prefix + name
+    return names
+
+
+def local_params(built: Built) -> list[LocalParam]:
+    """Every parameter of this rank's chunks, in chunk order."""
+    opt_names = optimizer_names(built)
+    out: list[LocalParam] = []
+    for chunk in built.chunks:
+        real = _real_rows(chunk)
+        for path, p in chunk.named_parameters():
+            spec = shard_spec(p)
+            padded = tuple(spec.full_shape) if spec is not None else tuple(p.shape)
+            dim = spec.dim if spec is not None else None
+            n, r = (spec.num_shards, spec.shard_rank) if spec and dim is not None else (1, 0)
+            shape = list(padded)
+            if path in real and dim == 0:
+                shape[0] = real[path]
+            out.append(LocalParam(path, opt_names.get(id(p)), p, dim, n, r, tuple(shape), padded))
+    return out
+
+
+def row_overlaps(
+    saved_rows: int, saved_shards: int, real_rows: int, want: tuple[int, int]
+) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    """Which rows of which saved shard fill rows ``want`` of the full tensor.
+
+    The saved tensor's ``saved_rows`` (padding included) were cut into ``saved_shards``
+    equal shards; rows at or past ``real_rows`` are padding and never copied. Returns
+    ``(shard, rows inside that shard, rows counted from want[0])`` for each overlap.
+
+    >>> row_overlaps(258, 2, 257, (0, 257))
+    [(0, (0, 129), (0, 129)), (1, (0, 128), (129, 257))]
+    >>> row_overlaps(257, 1, 257, (129, 257))
+    [(0, (129, 257), (0, 128))]
+    """
+    per = saved_rows // saved_shards
+    out = []
+    for i in range(saved_shards):
+        lo = max(want[0], i * per)
+        hi = min(want[1], (i + 1) * per, real_rows)
+        if lo < hi:
+            out.append((i, (lo - i * per, hi - i * per), (lo - want[0], hi - want[0])))
+    return out
+
+
+def layout_of(built: Built, groups: ProcessGroups) -> dict[str, int | None]:
+    """The parallel layout of this run, as meta.json records it."""
+    return {
+        "tp": groups.size("tp"), "pp": groups.size("pp"), "cp": groups.size("cp"),
+        "dp": groups.size("dp"), "ep": groups.size("ep"),
+        "vpp": len(built.chunks) if len(built.chunks) > 1 else None,
+        "world_size": dist.get_world_size(groups.world),
+    }  # fmt: skip
+
+
+def gather_objects(obj: Any, group: ProcessGroup) -> list[Any]:
+    """Every rank's ``obj`` (all-gather of small Python objects; no collective on one rank)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: ProcessGroup) -> None:
+    """Wait for every rank of ``group`` (nothing on one rank)."""
+    if dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def cover_range(
+    pieces: list[dict[str, Any]], want: tuple[int, int]
+) -> list[tuple[str, tuple[int, int], tuple[int, int]]] | None:
+    """Saved pieces (``start``, ``end``, ``key``) covering elements ``want`` once.
+
+    Returns ``(key, elements of the piece, elements counted from want[0])`` for each piece
+    used, or None when some element is in no piece. Overlapping pieces (equal replicas) are
+    fine: each element is taken once.
+
+    >>> cover_range([{"start": 0, "end": 4, "key": "a"}, {"start": 4, "end": 9, "key": "b"}], (2, 6))
+    [('a', (2, 4), (0, 2)), ('b', (0, 2), (2, 4))]
+    >>> cover_range([{"start": 0, "end": 4, "key": "a"}], (2, 6)) is None
+    True
+    """
+    out = []
+    done = want[0]
+    for p in sorted(pieces, key=lambda p: (p["start"], p["end"])):
+        if done >= want[1]:
+            break
+        start, end = p["start"], min(p["end"], want[1])
+        if end <= done:
+            continue
+        if start > done:
+            return None
+        out.append((p["key"], (done - start, end - start), (done - want[0], end - want[0])))
+        done = end
+    return out if done >= want[1] else None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The parsed meta.json of checkpoint folder ``path`` (CheckpointError if unusable)."""
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint folder {path} does not exist; pass a folder written by save_checkpoint "
+            "(<run_dir>/checkpoints/step_NNNNNNNN)"
+        )
+    file = path / META_FILE
+    if not file.is_file():
+        raise CheckpointError(
+            f"checkpoint folder {path} has no {META_FILE}, so its save did not finish; "
+            "load an earlier checkpoint"
+        )
+    try:
+        meta = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"{file} is not valid JSON ({one_line(str(exc))}); the checkpoint is damaged, "
+            "load an earlier one"
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(
+            f"{file} does not describe a mega checkpoint (format {found!r}, expected "
+            f"{FORMAT!r}); pass a folder written by save_checkpoint"
+        )
+    missing = [
+        k for k in ("step", "trainer_state", "layout", "params", "optimizer") if k not in meta
+    ]
+    if missing:
+        raise CheckpointError(
+            f"{file} lacks {', '.join(missing)}; the checkpoint is damaged, load an earlier one"
+        )
+    kinds = {"params": dict, "layout": dict, "optimizer": dict, "trainer_state": dict, "step": int}
+    wrong = [k for k, kind in kinds.items() if not isinstance(meta[k], kind)]
+    if wrong:
+        raise CheckpointError(
+            f"{file} holds a malformed {', '.join(wrong)}; the checkpoint is damaged, load an "
+            "earlier one"
+        )
+    return meta
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """The torch.distributed.checkpoint metadata of ``path`` (reads no tensor)."""
+    try:
+        return FileSystemReader(path).read_metadata()
+    except (CheckpointException, Exception) as exc:
+        raise CheckpointError(
+            f"cannot read the tensor index of checkpoint {path} ({dcp_failure(exc)}); the "
+            "files are truncated or missing, load an earlier checkpoint"
+        ) from None
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The folder ``<run_dir>/checkpoints/latest`` names, or None when there is no such file."""
+    root = Path(run_dir) / "checkpoints"
+    file = root / LATEST_FILE
+    if not file.is_file():
+        return None
+    name = file.read_text().strip()
+    if not STEP_DIR.match(name):
+        raise CheckpointError(
+            f"{file} names {name!r}, not a checkpoint folder step_NNNNNNNN; delete the file "
+            "or write the name of a checkpoint folder into it"
+        )
+    return root / name
+
+
+def _flatten(prefix: str, value: Any, out: list[str]) -> None:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out.append(f"  {prefix} = {json.dumps(value)}")
+
+
+def describe_checkpoint(path: Path) -> str:
+    """The step, layout, trainer state (config) and every tensor's key and shape, as text.
+
+    Reads meta.json and the DCP index only; no tensor is loaded.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    index = read_dcp_metadata(path)
+    layout = " ".join(f"{k}={v}" for k, v in meta["layout"].items())
+    opt = meta["optimizer"]
+    lines = [
+        f"checkpoint {path}",
+        f"step: {meta['step']}",
+        f"layout: {layout}",
+        f"optimizer: {opt.get('type')}, {opt.get('num_steps')} steps, "
+        f"{len(opt.get('param_groups', []))} param groups",
+        "trainer state:",
+    ]
+    _flatten("", meta["trainer_state"], lines)
+    lines.append(f"parameters ({len(meta['params'])}):")
+    for name, p in meta["params"].items():
+        split = "replicated" if p["dim"] is None else f"dim {p['dim']} in {p['num_shards']}"
+        pieces = sum(len(v) for v in p["optim"].values())
+        lines.append(f"  {name} {list(p['shape'])} {p['dtype']} ({split}, {pieces} optim pieces)")
+    items = index.state_dict_metadata
+    lines.append(f"tensors ({len(items)}):")
+    for key in sorted(items, key=natural_key):
+        item = items[key]
+        if isinstance(item, TensorStorageMetadata):
+            dtype = str(item.properties.dtype).removeprefix("torch.")
+            lines.append(f"  {key} {list(item.size)} {dtype}")
+        else:
+            lines.append(f"  {key} (bytes)")
+    return "\n".join(lines)

@@ -1,0 +1,263 @@
+"""save_checkpoint: every rank writes its tensors in parallel, rank 0 commits the folder.
+
+The folder is written as ``step_<step>.tmp`` and renamed to ``step_<step>`` only after
+every rank finished, then ``latest`` is replaced atomically: a kill at any moment leaves
+the previous checkpoint and ``latest`` as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from mega_parallel_grid import ProcessGroups
+from mega_pretrain.build import Built
+from mega_pretrain.ckpt.meta import (
+    FORMAT,
+    LATEST_FILE,
+    META_FILE,
+    STEP_DIR,
+    CheckpointError,
+    LocalParam,
+    barrier,
+    dcp_failure,
+    gather_objects,
+    layout_of,
+    local_params,
+    model_key,
+    natural_key,
+    optim_prefix,
+    step_dir_name,
+)
+
+__all__ = ["save_checkpoint"]
+
+#: Param-group entries that say how the optimizer runs, not what it computes (not saved).
+IMPLEMENTATION_KEYS = frozenset(
+    {"params", "param_names", "foreach", "fused", "capturable", "differentiable"}
+)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _local_index(
+    params: list[LocalParam], opt_state: dict[str, Any], groups: ProcessGroups
+) -> dict[str, Any]:
+    """What this rank holds: shapes, splits and optimizer pieces of each parameter."""
+    entries: dict[str, dict[str, Any]] = {}
+    for lp in params:
+        if lp.path in entries:  # a tied copy held twice by one rank: save it once
+            continue
+        pieces = opt_state["params"][lp.opt_name]["pieces"] if lp.opt_name is not None else []
+        fields = ["master", *pieces[0]["state"]] if pieces else []
+        entries[lp.path] = {
+            "shape": list(lp.shape), "padded_shape": list(lp.padded_shape), "dim": lp.dim,
+            "num_shards": lp.num_shards, "label": lp.label,
+            "dtype": str(lp.param.dtype).removeprefix("torch."), "trained": lp.opt_name is not None,
+            "fields": fields, "pieces": [[p["start"], p["end"]] for p in pieces],
+        }  # fmt: skip
+    return {"pp": groups.rank("pp"), "tp": groups.rank("tp"), "params": entries}
+
+
+def _canonical(indices: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(path, tp label) -> the (pp, tp) ranks whose dp ranks save its optimizer pieces.
+
+    Replicas (a norm weight on every tp rank, a tied embedding on the first and the last
+    stage) hold equal values cut into different pieces; one replica's pieces are saved.
+    """
+    best: dict[tuple[str, str], tuple[int, int]] = {}
+    for index in indices:
+        holder = (index["pp"], index["tp"])
+        for path, entry in index["params"].items():
+            key = (path, entry["label"])
+            best[key] = min(best.get(key, holder), holder)
+    return best
+
+
+def _tensors(
+    params: list[LocalParam],
+    opt_state: dict[str, Any],
+    mine: tuple[int, int],
+    canonical: dict[tuple[str, str], tuple[int, int]],
+) -> dict[str, Tensor]:
+    """This rank's DCP items: its weights, and its optimizer pieces where it is the saver."""
+    out: dict[str, Tensor] = {}
+    for lp in params:
+        key = model_key(lp.path, lp.label)
+        if key in out:
+            continue
+        out[key] = lp.param.detach()
+        if lp.opt_name is None or canonical[(lp.path, lp.label)] != mine:
+            continue
+        for piece in opt_state["params"][lp.opt_name]["pieces"]:
+            prefix = optim_prefix(lp.path, lp.label, piece["start"], piece["end"])
+            out[f"{prefix}/master"] = piece["master"]
+            for field, value in piece["state"].items():
+                out[f"{prefix}/{field}"] = value
+    return out
+
+
+def _meta(
+    step: int,
+    trainer_state: dict[str, Any],
+    layout: dict[str, int | None],
+    indices: list[dict[str, Any]],
+    canonical: dict[tuple[str, str], tuple[int, int]],
+    opt_state: dict[str, Any],
+) -> dict[str, Any]:
+    params: dict[str, dict[str, Any]] = {}
+    for index in indices:
+        holder = (index["pp"], index["tp"])
+        for path, e in index["params"].items():
+            entry = params.setdefault(path, {
+                "shape": e["shape"], "padded_shape": e["padded_shape"], "dim": e["dim"],
+                "num_shards": e["num_shards"], "dtype": e["dtype"], "trained": e["trained"],
+                "fields": [], "model_keys": [], "optim": {},
+            })  # fmt: skip
+            assert entry["shape"] == e["shape"] and entry["dim"] == e["dim"], path
+            key = model_key(path, e["label"])
+            if key not in entry["model_keys"]:
+                entry["model_keys"].append(key)
+            if canonical[(path, e["label"])] != holder or not e["pieces"]:
+                continue
+            entry["fields"] = entry["fields"] or e["fields"]
+            entry["optim"].setdefault(e["label"], []).extend(
+                {"start": s, "end": t, "key": optim_prefix(path, e["label"], s, t)}
+                for s, t in e["pieces"]
+            )
+    for entry in params.values():
+        entry["model_keys"].sort()
+        for pieces in entry["optim"].values():
+            pieces.sort(key=lambda p: p["start"])
+    groups = [
+        {k: v for k, v in g.items() if k not in IMPLEMENTATION_KEYS and _plain(v)}
+        for g in opt_state["param_groups"]
+    ]
+    return {
+        "format": FORMAT,
+        "step": step,
+        "trainer_state": trainer_state,
+        "layout": layout,
+        "optimizer": {
+            "type": opt_state["optimizer"],
+            "num_steps": opt_state["num_steps"],
+            "param_groups": groups,
+            "loss_scaler": opt_state["loss_scaler"],
+        },
+        "params": {name: params[name] for name in sorted(params, key=natural_key)},
+    }
+
+
+def _rng_state(built: Built) -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": built.rng.state_dict()}
+    if built.rng.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(built.rng.device)
+    return state
+
+
+def _write_synced(file: Path, text: str) -> None:
+    with open(file, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit(root: Path, tmp: Path, final: Path, keep_last: int, group: ProcessGroup) -> None:
+    """Once every rank wrote its part: rename the folder, point ``latest`` at it, prune."""
+    barrier(group)
+    if dist.get_rank(group) == 0:
+        if final.exists():  # the same step saved again: replace it
+            old = root / f"{final.name}.old.tmp"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _write_synced(root / f"{LATEST_FILE}.tmp", final.name + "\n")
+        os.replace(root / f"{LATEST_FILE}.tmp", root / LATEST_FILE)
+        _prune(root, keep_last, final.name)
+    barrier(group)
+
+
+def _prune(root: Path, keep_last: int, current: str) -> None:
+    """Delete leftover ``.tmp`` folders and all but the newest ``keep_last`` checkpoints."""
+    steps = sorted(
+        (int(m.group(1)), p.name)
+        for p in root.iterdir()
+        if p.is_dir() and (m := STEP_DIR.match(p.name))
+    )
+    kept = {name for _, name in steps[-keep_last:]} | {current}
+    for _, name in steps:
+        if name not in kept:
+            shutil.rmtree(root / name, ignore_errors=True)
+    for p in root.iterdir():
+        if p.is_dir() and p.name.endswith(".tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+@torch.no_grad()
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    built: Built,
+    groups: ProcessGroups,
+    trainer_state: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    """Save the model, optimizer and RNG states of every rank as ``<run_dir>/checkpoints/step_<step>``.
+
+    Collective over all ranks. Each rank writes its own tensors (DCP deduplicates items
+    several ranks hold, e.g. weights replicated over dp); rank 0 writes meta.json, then
+    commits the folder, rewrites ``latest`` and keeps the newest ``keep_last`` checkpoints.
+    ``trainer_state`` (config, consumed samples...) must be JSON-serialisable. Returns the
+    checkpoint folder.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step ({step!r}) must be a non-negative integer")
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last ({keep_last!r}) must be a positive integer")
+    try:
+        json.dumps(trainer_state)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"trainer_state is not JSON-serialisable ({exc}); pass numbers, strings, lists "
+            "and dicts"
+        ) from None
+    root = Path(run_dir) / "checkpoints"
+    final = root / step_dir_name(step)
+    tmp = root / f"{final.name}.tmp"
+    world = groups.world
+    rank = dist.get_rank(world)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    barrier(world)
+    opt_state = built.optimizer.state_dict()  # also waits for in-flight parameter gathers
+    params = local_params(built)
+    index = _local_index(params, opt_state, groups)
+    indices = gather_objects(index, world)
+    canonical = _canonical(indices)
+    tensors = _tensors(params, opt_state, (index["pp"], index["tp"]), canonical)
+    try:
+        dcp_save(tensors, storage_writer=FileSystemWriter(tmp), process_group=world)
+    except CheckpointException as exc:
+        raise CheckpointError(f"writing checkpoint {tmp} failed ({dcp_failure(exc)})") from None
+    torch.save(_rng_state(built), tmp / "rng" / f"rank{rank}.pt")
+    if rank == 0:
+        meta = _meta(step, trainer_state, layout_of(built, groups), indices, canonical, opt_state)
+        _write_synced(tmp / META_FILE, json.dumps(meta, indent=1))
+    _commit(root, tmp, final, keep_last, world)
+    return final

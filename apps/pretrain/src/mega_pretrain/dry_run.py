@@ -1,0 +1,41 @@
+"""``--dry-run``: the resolved config, sizes, memory per rank, FLOPs and the rank layout."""
+
+from __future__ import annotations
+
+import json
+
+from mega_pretrain.build import gpt_config
+from mega_pretrain.config import TrainerConfig, config_to_dict
+from mega_pretrain.estimate import estimate
+from mega_pretrain.validate import check_config
+
+__all__ = ["dry_run"]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:8.2f} GiB"
+
+
+def dry_run(config: TrainerConfig, world_size: int) -> str:
+    """Everything a user checks before launching, computed without any process or tensor."""
+    model = gpt_config(config)
+    layout = check_config(config, model, world_size)
+    est = estimate(config, model, layout.dp)
+    lines = [
+        "resolved config:",
+        json.dumps(config_to_dict(config), indent=2),
+        f"model: {config.model.size} {model}",
+        f"world size {world_size}: tp {layout.config.tp}, pp {layout.config.pp}, cp {layout.config.cp}, "
+        f"dp {layout.dp}, ep {layout.config.ep}, vpp {layout.config.vpp}",
+        f"parameters: {est.total_params / 1e6:,.1f} M total, ~{est.params_per_rank / 1e6:,.1f} M per rank",
+        f"FLOPs per token (fwd+bwd): {est.flops_per_token / 1e9:.3f} GFLOP",
+        "memory per rank (estimate, busiest stage):",
+        f"  weights     {_gib(est.weights)}",
+        f"  gradients   {_gib(est.grads)}",
+        f"  optimizer   {_gib(est.optimizer)}",
+        f"  activations {_gib(est.activations)}",
+        f"  total       {_gib(est.total)}",
+        "rank layout:",
+        layout.table() if world_size <= 64 else f"({world_size} ranks; table omitted)",
+    ]
+    return "\n".join(lines)

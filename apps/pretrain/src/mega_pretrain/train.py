@@ -1,0 +1,249 @@
+"""The training loop: data, model, schedule, logging, evaluation, checkpoints, signals."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from mega_models import GPTConfig, model_flops_per_token
+from mega_parallel_grid import init_process_groups
+from mega_pretrain.build import build, gpt_config, parallel_config, param_dtype
+from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mega_pretrain.config import TrainerConfig, config_to_dict
+from mega_pretrain.data import (
+    BlendedDataset,
+    DistributedBatchSampler,
+    GPTDataset,
+    IndexedTokenDataset,
+    ensure_default_dataset,
+    split_train_valid,
+)
+from mega_pretrain.metrics import MetricsLogger, peak_tflops
+from mega_pretrain.runtime import pick_device, start_distributed, world_size_from_env
+from mega_pretrain.schedule import lr_at
+from mega_pretrain.signals import StopRequest
+from mega_pretrain.step import Microbatch, StepRunner
+from mega_pretrain.validate import check_config
+
+__all__ = ["RunSummary", "TrainingError", "train"]
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss or gradient under nan_policy='stop')."""
+
+
+@dataclass
+class RunSummary:
+    """What a finished (or stopped) run reports."""
+
+    run_dir: Path
+    first_step: int
+    last_step: int
+    losses: list[float]
+    tokens_per_s: float
+    stopped_by: str | None
+    checkpoint: Path | None
+
+
+def _datasets(config: TrainerConfig, model: GPTConfig, samples: int) -> tuple[Any, Any]:
+    t, d = config.train, config.data
+    prefixes = list(d.paths) or [str(ensure_default_dataset())]
+    weights = list(d.weights) or [1.0] * len(prefixes)
+    trains, valids = [], []
+    for prefix in prefixes:
+        indexed = IndexedTokenDataset(prefix)
+        if indexed.vocab_size > model.vocab_size:
+            raise ValueError(
+                f"the data at {prefix} uses a vocabulary of {indexed.vocab_size} tokens but the "
+                f"model has vocab_size {model.vocab_size}; set --model.vocab_size {indexed.vocab_size}"
+            )
+        train_docs, valid_docs = split_train_valid(indexed, d.valid_fraction, t.seed)
+        trains.append(GPTDataset(train_docs, t.seq_len, seed=t.seed, num_samples=samples))
+        valids.append(
+            GPTDataset(valid_docs, t.seq_len, seed=t.seed, shuffle=False)
+            if len(valid_docs)
+            else None
+        )
+    if len(trains) == 1:
+        return trains[0], valids[0]
+    train = BlendedDataset(list(zip(weights, trains, strict=True)), samples, t.seed)
+    return train, next((v for v in valids if v is not None), None)
+
+
+def _microbatches(dataset: Any, sampler_iter: Any, count: int) -> list[Microbatch]:
+    out = []
+    for _ in range(count):
+        items = [dataset[i] for i in next(sampler_iter)]
+        out.append(
+            (torch.stack([x["tokens"] for x in items]), torch.stack([x["labels"] for x in items]))
+        )
+    return out
+
+
+def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummary:
+    """Train as ``config`` says; resumes from the run folder's latest checkpoint by default."""
+    model = gpt_config(config)
+    world = world_size_from_env()
+    check_config(config, model, world)  # before any process group exists
+    device = pick_device(config.run.device)
+    start_distributed(device, timedelta(minutes=10))
+    groups = init_process_groups(parallel_config(config), timeout=timedelta(minutes=10))
+    rank0 = dist.get_rank() == 0
+    console = console or Console(quiet=not rank0)
+    t, p = config.train, config.parallel
+    run_dir = Path(config.run.out_dir) / config.run.name
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2))
+    dp, dp_rank = groups.size("dp"), groups.rank("dp")
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    train_set, valid_set = _datasets(config, model, t.steps * t.global_batch_size)
+    torch.manual_seed(t.seed)
+    built = build(config, groups, device)
+    runner = StepRunner(
+        built, groups, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+        hidden_size=model.hidden_size, dtype=param_dtype(config), device=device,
+        sequence_parallel=p.sequence_parallel,
+    )  # fmt: skip
+    step, consumed = 0, 0
+    source = _resume_source(config, run_dir)
+    if source is not None:
+        state = load_checkpoint(source, built, groups)
+        step, consumed = int(state["step"]), int(state["consumed_samples"])
+        console.print(f"resumed from {source} at step {step}")
+    metrics = MetricsLogger(run_dir, enabled=rank0, tensorboard=config.run.tensorboard)
+    stop = StopRequest()
+    sampler = iter(
+        DistributedBatchSampler(len(train_set), consumed, t.micro_batch_size, dp_rank, dp)
+    )
+    peak = peak_tflops(device, config.run.peak_tflops)
+    flops_token = model_flops_per_token(model, t.seq_len)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    first_step, losses, stopped_by, saved = step, [], None, None
+    console.print(
+        f"[bold]mega-pretrain[/bold] {config.model.size} on {world} rank(s) "
+        f"(tp {p.tp}, pp {p.pp}, cp {p.cp}, dp {dp}), {device.type}, {t.precision}, "
+        f"{t.steps} steps of {tokens_per_step} tokens -> {run_dir}"
+    )
+    window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
+    try:
+        while step < t.steps:
+            lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                       total_steps=t.steps, decay=t.decay, wsd_decay_fraction=t.wsd_decay_fraction)  # fmt: skip
+            batches = _microbatches(train_set, sampler, microbatches)
+            try:
+                loss, result = runner.train_step(batches, lr)
+            except FloatingPointError as exc:
+                if t.nan_policy == "skip":
+                    console.print(f"step {step + 1}: skipped ({exc})")
+                    step, consumed = step + 1, consumed + t.global_batch_size
+                    continue
+                raise TrainingError(f"step {step + 1}: {exc}") from None
+            step, consumed, window_steps = (
+                step + 1,
+                consumed + t.global_batch_size,
+                window_steps + 1,
+            )
+            if step % t.log_interval == 0 or step == t.steps:
+                value = float(loss)
+                if not math.isfinite(value):
+                    raise TrainingError(
+                        f"step {step}: the loss is {value}; lower train.lr or set train.nan_policy skip"
+                    )
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - window_start
+                tok_s = window_steps * tokens_per_step / elapsed
+                tflops = tok_s * flops_token / world / 1e12
+                record = {"loss": value, "lr": lr, "grad_norm": float(result.grad_norm or 0.0),
+                          "tokens_per_s": tok_s, "tflops_per_gpu": tflops,
+                          "step_ms": 1e3 * elapsed / window_steps}  # fmt: skip
+                if peak:
+                    record["mfu"] = tflops / peak
+                if device.type == "cuda":
+                    record["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                metrics.log(step, record)
+                losses.append(value)
+                eta = (t.steps - step) * elapsed / window_steps
+                mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
+                console.print(
+                    f"step {step:>6}/{t.steps}  loss {value:7.4f}  lr {lr:.2e}  "
+                    f"grad {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s{mfu}  eta {eta:5.0f}s"
+                )
+                window_start, window_steps = time.perf_counter(), 0
+            if valid_set is not None and t.eval_interval and step % t.eval_interval == 0:
+                _evaluate(runner, valid_set, config, dp_rank, dp, metrics, step, console)
+            if stop.requested():
+                stopped_by = stop.signal_name or "signal"
+                break
+            if t.exit_interval and step % t.exit_interval == 0 and step < t.steps:
+                stopped_by = "exit_interval"
+                break
+            if (
+                config.checkpoint.save_interval
+                and step % config.checkpoint.save_interval == 0
+                and step < t.steps
+            ):
+                saved = save_checkpoint(
+                    run_dir,
+                    step,
+                    built,
+                    groups,
+                    _state(config, step, consumed),
+                    config.checkpoint.keep_last,
+                )
+        saved = save_checkpoint(
+            run_dir,
+            step,
+            built,
+            groups,
+            _state(config, step, consumed),
+            config.checkpoint.keep_last,
+        )
+    finally:
+        stop.restore()
+        metrics.close()
+    total = time.perf_counter() - run_start
+    rate = (step - first_step) * tokens_per_step / total if total > 0 else 0.0
+    how = f"stopped by {stopped_by}" if stopped_by else "done"
+    final = f"final loss {losses[-1]:.4f}, " if losses else ""
+    console.print(
+        f"[bold]{how}[/bold]: step {step}, {final}{rate:,.0f} tok/s overall, checkpoint {saved}"
+    )
+    return RunSummary(run_dir, first_step, step, losses, rate, stopped_by, saved)
+
+
+def _state(config: TrainerConfig, step: int, consumed: int) -> dict[str, Any]:
+    return {"step": step, "consumed_samples": consumed, "config": config_to_dict(config)}
+
+
+def _resume_source(config: TrainerConfig, run_dir: Path) -> Path | None:
+    load = config.checkpoint.load
+    if load == "none":
+        return None
+    if load == "auto":
+        return latest_checkpoint(run_dir)
+    return Path(load)
+
+
+def _evaluate(
+    runner: StepRunner, valid_set: Any, config: TrainerConfig, dp_rank: int, dp: int,
+    metrics: MetricsLogger, step: int, console: Console,
+) -> None:  # fmt: skip
+    t = config.train
+    count = min(t.eval_steps, len(valid_set) // (t.micro_batch_size * dp))
+    if count == 0:
+        return
+    sampler = iter(DistributedBatchSampler(len(valid_set), 0, t.micro_batch_size, dp_rank, dp))
+    loss = float(runner.eval_step(_microbatches(valid_set, sampler, count)))
+    metrics.log(step, {"loss": loss, "ppl": math.exp(min(loss, 50.0))}, kind="valid")
+    console.print(f"step {step:>6}  [cyan]valid loss {loss:.4f}[/cyan]")

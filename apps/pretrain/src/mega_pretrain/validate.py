@@ -1,0 +1,111 @@
+"""Every check that can be made before a process group exists: one sentence each."""
+
+from __future__ import annotations
+
+from mega_models import GPTConfig
+from mega_parallel_grid import ParallelConfig, RankLayout
+from mega_pretrain.config import TrainerConfig
+
+__all__ = ["check_config"]
+
+
+def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> RankLayout:
+    """Raise ValueError (one sentence naming the values) for any inconsistent setting."""
+    p, t = config.parallel, config.train
+    layout = RankLayout(
+        world_size, ParallelConfig(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp)
+    )
+    dp = layout.dp
+    for name in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_interval"):
+        value = getattr(t, name)
+        if value < 1:
+            raise ValueError(f"train.{name} ({value}) must be at least 1")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ValueError(
+            f"train.global_batch_size ({t.global_batch_size}) is not divisible by "
+            f"micro_batch_size * dp ({t.micro_batch_size} * {dp}); choose a multiple of "
+            f"{t.micro_batch_size * dp}"
+        )
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.vpp and microbatches % p.pp:
+        raise ValueError(
+            f"the interleaved schedule needs micro-batches per step ({microbatches}) to be a "
+            f"multiple of pp ({p.pp}); raise train.global_batch_size or lower micro_batch_size"
+        )
+    if t.seq_len > model.max_seq_len:
+        raise ValueError(
+            f"train.seq_len ({t.seq_len}) exceeds the model's max_seq_len ({model.max_seq_len}); "
+            "shorten it or set model.max_seq_len"
+        )
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        raise ValueError(
+            f"train.seq_len ({t.seq_len}) is not divisible by 2*cp ({2 * p.cp}); choose a multiple of {2 * p.cp}"
+        )
+    if p.sequence_parallel:
+        if p.tp == 1:
+            raise ValueError("parallel.sequence_parallel needs tp > 1; set --tp or turn it off")
+        if (t.seq_len // p.cp) % p.tp:
+            raise ValueError(
+                f"with sequence parallelism the sequence per cp rank ({t.seq_len // p.cp}) must be "
+                f"divisible by tp ({p.tp}); change train.seq_len"
+            )
+    for label, count in (
+        ("num_attention_heads", model.num_attention_heads),
+        ("num_query_groups", model.kv_heads),
+    ):
+        if count % p.tp:
+            raise ValueError(
+                f"model.{label} ({count}) is not divisible by tp ({p.tp}); choose tp dividing {count}"
+            )
+    stages = p.pp * (p.vpp or 1)
+    if model.num_layers % stages:
+        raise ValueError(
+            f"model.num_layers ({model.num_layers}) is not divisible into pp*vpp "
+            f"({p.pp}*{p.vpp or 1} = {stages}) stages; change the layer count or the sizes"
+        )
+    if p.ep > 1 and not model.is_moe:
+        raise ValueError(
+            f"ep ({p.ep}) > 1 needs an MoE model; this GPT has no expert layers "
+            "(set model.num_experts, or ep 1)"
+        )
+    if model.is_moe:
+        _check_moe(config, model)
+    if t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
+        raise ValueError(
+            f"train.lr ({t.lr}), min_lr ({t.min_lr}) and warmup_steps ({t.warmup_steps}) must be positive"
+        )
+    if not 0.0 <= config.data.valid_fraction < 1.0:
+        raise ValueError(f"data.valid_fraction ({config.data.valid_fraction}) must be in [0, 1)")
+    if config.data.weights and len(config.data.weights) != len(config.data.paths):
+        raise ValueError(
+            f"data.weights has {len(config.data.weights)} entries but data.paths has "
+            f"{len(config.data.paths)}; give one weight per path"
+        )
+    return layout
+
+
+def _check_moe(config: TrainerConfig, model: GPTConfig) -> None:
+    """The MoE layers' sizes against ep, etp and tp."""
+    p, t = config.parallel, config.train
+    etp = p.etp if p.etp is not None else p.tp
+    if model.num_experts % p.ep:
+        raise ValueError(
+            f"model.num_experts ({model.num_experts}) is not divisible by ep ({p.ep}); "
+            f"choose ep dividing {model.num_experts}"
+        )
+    if model.moe_ffn_size % etp:
+        raise ValueError(
+            f"the expert FFN size (model.moe_ffn_hidden_size, {model.moe_ffn_size}) is not "
+            f"divisible by etp ({etp}); choose etp dividing it"
+        )
+    if model.moe_shared_expert_size % p.tp:
+        raise ValueError(
+            f"model.moe_shared_expert_size ({model.moe_shared_expert_size}) is not divisible "
+            f"by tp ({p.tp}); choose a multiple of {p.tp}"
+        )
+    local = t.seq_len // p.cp
+    if p.tp > 1 and not p.sequence_parallel and local % p.tp:
+        raise ValueError(
+            f"MoE layers split each cp rank's sequence ({local} tokens) over tp ({p.tp}); "
+            f"choose train.seq_len so that it is divisible by {p.tp * p.cp}"
+        )
