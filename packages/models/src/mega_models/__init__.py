@@ -1,10 +1,19 @@
-"""GPT models on every parallel dimension: tp (+SP), cp, pp stages; exact FLOPs for MFU."""
+"""GPT models on every parallel dimension: tp (+SP), cp, pp stages; exact FLOPs for MFU;
+the Hugging Face bridge for dense Llama-family checkpoints."""
 
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention, zigzag_positions, zigzag_split
 from mega_models.flops import forward_flops_per_token, matmul_params, model_flops_per_token
 from mega_models.gpt import GPTModel
 from mega_models.grads import finalize_model_grads
+from mega_models.hf import (
+    HF_ARCHITECTURES,
+    gather_full_state,
+    gpt_config_from_hf,
+    hf_config_from_gpt,
+    load_hf_weights,
+    save_hf_checkpoint,
+)
 from mega_models.hybrid import HybridLayer, HybridModel
 from mega_models.hybrid_config import LAYER_KINDS, HybridConfig
 from mega_models.hybrid_flops import (
@@ -19,6 +28,7 @@ from mega_models.ssd import ssd_chunked, ssd_sequential
 from mega_models.stages import StageSpec, stage_spec
 
 __all__ = [
+    "HF_ARCHITECTURES",
     "HYBRID_SIZES",
     "LAYER_KINDS",
     "MODEL_SIZES",
@@ -34,12 +44,17 @@ __all__ = [
     "context_parallel_attention",
     "finalize_model_grads",
     "forward_flops_per_token",
+    "gather_full_state",
+    "gpt_config_from_hf",
+    "hf_config_from_gpt",
     "hybrid_config",
     "hybrid_flops_per_token",
     "hybrid_matmul_params",
+    "load_hf_weights",
     "matmul_params",
     "model_config",
     "model_flops_per_token",
+    "save_hf_checkpoint",
     "ssd_chunked",
     "ssd_flops_per_token",
     "ssd_sequential",

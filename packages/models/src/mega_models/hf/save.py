@@ -1,0 +1,216 @@
+"""Export: full GPTModel tensors -> a Hugging Face directory (config.json + safetensors shards)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mega_models.config import GPTConfig
+from mega_models.gpt import GPTModel
+from mega_models.hf.config import (
+    HFLayout,
+    check_convertible,
+    hf_config_from_gpt,
+    hf_layout,
+    read_hf_config,
+)
+from mega_models.hf.gather import gather_full_state
+from mega_models.hf.mapping import hf_shapes, hf_tensor_names, split_gate_up, split_qkv, tensor_map
+from mega_models.hf.reader import INDEX, SINGLE
+
+__all__ = ["hf_state_dict", "save_hf_checkpoint", "write_safetensors"]
+
+#: Default largest shard file, in bytes (Hugging Face's "5GB").
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+
+
+def _mega_names(config: GPTConfig, biases: bool) -> list[str]:
+    names = ["embedding.word.weight"]
+    for i in range(config.num_layers):
+        names += [f"layers.{i}.{s}" for s in ("input_norm.weight", "attention.qkv.weight",
+                  "attention.proj.weight", "mlp_norm.weight", "mlp.fc1.weight", "mlp.fc2.weight")]  # fmt: skip
+        if biases:
+            names += [f"layers.{i}.{s}" for s in ("attention.qkv.bias", "attention.proj.bias",
+                      "mlp.fc1.bias", "mlp.fc2.bias")]  # fmt: skip
+    names.append("final_norm.weight")
+    if not config.tie_embeddings:
+        names.append("output.weight")
+    return names
+
+
+def _check_names(state: Mapping[str, Tensor], config: GPTConfig) -> None:
+    expected = _mega_names(config, config.add_bias)
+    unknown = sorted(set(state) - set(expected))
+    if unknown:
+        raise ValueError(
+            f"tensor {unknown[0]} is not a parameter of a GPTModel with this config; pass the "
+            "state of a GPTModel built from the same GPTConfig"
+        )
+    missing = [name for name in expected if name not in state]
+    if missing:
+        raise ValueError(
+            f"tensor {missing[0]} is missing from the state to export; pass every pipeline "
+            "stage's tensors (gather_full_state(models, pp_group) merges them)"
+        )
+
+
+def _split(name: str, full: Tensor, config: GPTConfig, layout: HFLayout) -> dict[str, Tensor]:
+    """The Hugging Face tensors of one full mega tensor."""
+    tmap = tensor_map(name, layout)
+    if tmap.kind == "absent":
+        if bool(full.count_nonzero()):
+            raise ValueError(
+                f"tensor {name} is not zero but {layout.architecture} has no such bias; "
+                "export as LlamaForCausalLM (attention_bias and mlp_bias)"
+            )
+        return {}
+    if tmap.kind == "qkv":
+        parts: tuple[Tensor, ...] = split_qkv(full, config.num_attention_heads, config.kv_heads)
+    elif tmap.kind == "gate_up":
+        parts = split_gate_up(full)
+    else:
+        parts = (full,)
+    out = {}
+    for hf_name, part, want in zip(tmap.hf, parts, hf_shapes(tmap, config), strict=True):
+        if tuple(part.shape) != want:
+            raise ValueError(
+                f"tensor {name} gives {hf_name} of shape {tuple(part.shape)} but the config "
+                f"needs {want}; pass full tensors with the vocabulary padding cut"
+            )
+        out[hf_name] = part.contiguous().clone()
+    return out
+
+
+def hf_state_dict(
+    state: Mapping[str, Tensor], config: GPTConfig, layout: HFLayout
+) -> dict[str, Tensor]:
+    """Full mega tensors (names of ``GPTModel.named_parameters()``) -> Hugging Face tensors.
+
+    ``state`` must hold the whole model, vocabulary unpadded (as
+    :func:`~mega_models.hf.gather_full_state` gives it). Biases the architecture has and
+    the model lacks are written as zeros; biases the model has and the architecture
+    lacks must be zero, or the export fails naming the tensor.
+    """
+    check_convertible(config)
+    _check_names(state, config)
+    dtype = state["final_norm.weight"].dtype
+    out: dict[str, Tensor] = {}
+    for name in _mega_names(config, biases=True):
+        if name in state:
+            out.update(_split(name, state[name].detach(), config, layout))
+            continue
+        tmap = tensor_map(name, layout)  # a bias the model lacks: zero, if HF has it
+        if tmap.kind != "absent":
+            shapes = hf_shapes(tmap, config)
+            out.update(
+                {n: torch.zeros(s, dtype=dtype) for n, s in zip(tmap.hf, shapes, strict=True)}
+            )
+    return {name: out[name] for name in hf_tensor_names(config, layout)}
+
+
+def write_safetensors(
+    tensors: Mapping[str, Tensor], out_dir: str | Path, max_shard_size: int
+) -> list[str]:
+    """Write ``tensors`` as ``model.safetensors``, or as numbered shards plus an index when
+    they exceed ``max_shard_size`` bytes (a larger tensor gets a shard of its own).
+
+    Returns the file names written. Refuses a directory that already holds a checkpoint.
+    """
+    if max_shard_size < 1:
+        raise ValueError(f"max_shard_size ({max_shard_size}) must be a positive number of bytes")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    existing = sorted(p.name for p in out.glob("model*.safetensors*"))
+    if existing:
+        raise ValueError(
+            f"{out} already holds a checkpoint ({existing[0]}); choose an empty directory"
+        )
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    from safetensors.torch import save_file  # optional dependency: mega-models[hf]
+
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE), metadata={"format": "pt"})
+        return [SINGLE]
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    for file, shard in zip(files, shards, strict=True):
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return [*files, INDEX]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def save_hf_checkpoint(
+    source: GPTModel | Sequence[GPTModel] | Mapping[str, Tensor],
+    out_dir: str | Path,
+    *,
+    config: GPTConfig | None = None,
+    architecture: str | None = None,
+    base_config: str | Path | Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> list[str]:
+    """Write a Hugging Face checkpoint (``config.json`` + safetensors) to ``out_dir``.
+
+    ``source`` is a GPTModel built unsplit (tp 1), a list of such models covering every
+    layer (pipeline stages or chunks built in this process), or a mapping of full
+    tensors as :func:`~mega_models.hf.gather_full_state` returns on the first rank of a
+    parallel run (then pass ``config``). ``architecture`` defaults to ``base_config``'s
+    (the original config.json, whose other keys are kept) or ``LlamaForCausalLM``.
+    ``dtype`` casts floating tensors. Returns the names of the files written. Local:
+    call it on one rank.
+    """
+    if isinstance(source, Mapping):
+        if config is None:
+            raise ValueError("save_hf_checkpoint of a tensor mapping needs config=GPTConfig(...)")
+        state: dict[str, Tensor] = dict(source)
+    else:
+        models = [source] if isinstance(source, GPTModel) else list(source)
+        if not models:
+            raise ValueError("save_hf_checkpoint got an empty list of models; pass every stage")
+        for model in models:
+            tp = model.groups.size("tp")
+            if tp != 1:
+                raise ValueError(
+                    f"model is split over tp ({tp}); call gather_full_state(model, pp_group) on "
+                    "every rank and pass its result from the first rank"
+                )
+        config = config if config is not None else models[0].config
+        gathered = gather_full_state(models)
+        assert gathered is not None
+        state = gathered
+    base = None
+    if base_config is not None:
+        base = read_hf_config(base_config)
+    arch = architecture or (
+        hf_layout(base).architecture if base is not None else "LlamaForCausalLM"
+    )
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    first = next(iter(state.values()), None)
+    dtype_name = _dtype_name(first.dtype if first is not None else torch.float32)
+    hf_config = hf_config_from_gpt(config, arch, dtype=dtype_name, base=base)
+    tensors = hf_state_dict(state, config, hf_layout(hf_config))
+    files = write_safetensors(tensors, out_dir, max_shard_size)
+    text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
+    (Path(out_dir) / "config.json").write_text(text, encoding="utf-8")
+    return ["config.json", *files]
