@@ -1,4 +1,4 @@
-"""``mega-pretrain``: train (default), preprocess, inspect, plot.
+"""``mega-pretrain``: train (default), preprocess, inspect, plot, convert.
 
     uv run mega-pretrain                                   # tiny GPT on the stdlib corpus, CPU
     uv run mega-pretrain --config configs/125m.toml --train.lr 3e-4
@@ -7,6 +7,8 @@
     uv run mega-pretrain preprocess corpus.jsonl --output data/corpus --tokenizer byte
     uv run mega-pretrain inspect runs/tiny/checkpoints/step_00000300
     uv run mega-pretrain plot runs/tiny runs/other --output curves.png
+    uv run mega-pretrain convert --from-hf llama-dir --to runs/llama [--tp 2 ...]
+    uv run mega-pretrain convert --to-hf out-dir --from runs/llama
 
 Every setting of the config can be given as ``--section.field value``; ``--tp/--pp/--cp/
 --ep/--etp/--vpp`` are shortcuts for ``--parallel.*``. Output goes to rank 0 only.
@@ -22,7 +24,7 @@ from rich.console import Console
 
 __all__ = ["main"]
 
-_COMMANDS = ("train", "preprocess", "inspect", "plot")
+_COMMANDS = ("train", "preprocess", "inspect", "plot", "convert")
 
 
 def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
@@ -111,6 +113,27 @@ def _plot(argv: Sequence[str], console: Console) -> int:
     return 0
 
 
+def _convert(argv: Sequence[str], console: Console) -> int:
+    parser = argparse.ArgumentParser(prog="mega-pretrain convert")
+    parser.add_argument("--from-hf", help="a Hugging Face model folder (config.json + safetensors)")
+    parser.add_argument("--to", help="the run folder to create (with --from-hf)")
+    parser.add_argument("--to-hf", help="the Hugging Face folder to write")
+    parser.add_argument("--from", dest="source", help="a run folder or checkpoint (with --to-hf)")
+    args, rest = parser.parse_known_args(argv)
+    from pathlib import Path
+
+    from mega_pretrain.convert import from_hf, to_hf
+
+    overrides = _split_overrides(rest)
+    if args.from_hf and args.to:
+        console.print(f"wrote {from_hf(Path(args.from_hf), Path(args.to), overrides)}")
+    elif args.to_hf and args.source:
+        console.print(f"wrote {to_hf(Path(args.source), Path(args.to_hf), overrides)}")
+    else:
+        raise ValueError("convert needs --from-hf DIR --to RUN_DIR, or --to-hf DIR --from RUN_DIR")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mega-pretrain`` command; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -118,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "train"
     if args and args[0] in _COMMANDS:
         command = args.pop(0)
-    handlers = {"train": _train, "preprocess": _preprocess, "inspect": _inspect, "plot": _plot}
+    handlers = {"train": _train, "preprocess": _preprocess, "inspect": _inspect, "plot": _plot,
+                "convert": _convert}  # fmt: skip
     try:
         return handlers[command](args, console)
     except (ValueError, FileNotFoundError, ImportError) as exc:  # user errors: one sentence

@@ -1,0 +1,113 @@
+"""``mega-pretrain convert``: Hugging Face checkpoints to mega run folders and back.
+
+uv run mega-pretrain convert --from-hf llama-dir --to runs/llama   [--tp 2 --pp 2 under torchrun]
+uv run mega-pretrain --config runs/llama/model.toml                # continue training it
+uv run mega-pretrain convert --to-hf hf-out --from runs/llama      # export the latest checkpoint
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mega_models import gather_full_state, gpt_config_from_hf, load_hf_weights, save_hf_checkpoint
+from mega_parallel_grid import init_process_groups
+from mega_pretrain.build import build, gpt_config, parallel_config
+from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mega_pretrain.config import TrainerConfig, config_to_dict, load_config
+from mega_pretrain.runtime import pick_device, start_distributed, world_size_from_env
+from mega_pretrain.validate import check_config
+
+__all__ = ["from_hf", "to_hf"]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+def _start(config: TrainerConfig) -> tuple[Any, torch.device]:
+    check_config(config, gpt_config(config), world_size_from_env())
+    device = pick_device(config.run.device)
+    start_distributed(device, timedelta(minutes=10))
+    return init_process_groups(parallel_config(config)), device
+
+
+def from_hf(hf_dir: Path, run_dir: Path, overrides: list[tuple[str, str]]) -> Path:
+    """Import ``hf_dir`` at the layout of ``overrides`` into a step-0 checkpoint of ``run_dir``.
+
+    Also writes ``run_dir/model.toml``: a config whose ``[model]`` is the imported shape and
+    whose ``[run]`` points at ``run_dir``, so ``mega-pretrain --config`` continues from it.
+    """
+    shape = gpt_config_from_hf(hf_dir)
+    fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
+    run = [("run.out_dir", str(run_dir.parent)), ("run.name", run_dir.name)]
+    model = [(f"model.{k}", _toml_value(v).strip('"')) for k, v in fields.items() if v is not None]
+    config = load_config(None, [*model, *run, *overrides])
+    groups, device = _start(config)
+    built = build(config, groups, device)
+    for chunk in built.chunks:
+        load_hf_weights(chunk, hf_dir)
+    built.optimizer.reload_model_params()
+    state = {
+        "step": 0,
+        "consumed_samples": 0,
+        "config": config_to_dict(config),
+        "imported_from": str(hf_dir),
+    }
+    path = save_checkpoint(run_dir, 0, built, groups, state, keep_last=config.checkpoint.keep_last)
+    if dist.get_rank() == 0:
+        lines = [
+            "# written by mega-pretrain convert --from-hf; continue with --config this file",
+            "[model]",
+        ]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in fields.items() if v is not None]
+        lines += [
+            "",
+            "[run]",
+            f"out_dir = {_toml_value(str(run_dir.parent))}",
+            f"name = {_toml_value(run_dir.name)}",
+        ]
+        (run_dir / "model.toml").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def to_hf(run_or_checkpoint: Path, out_dir: Path, overrides: list[tuple[str, str]]) -> Path:
+    """Export a mega checkpoint (a run folder's latest, or a checkpoint folder) as HF safetensors."""
+    source = (
+        latest_checkpoint(run_or_checkpoint)
+        if (run_or_checkpoint / "checkpoints").is_dir()
+        else run_or_checkpoint
+    )
+    if source is None:
+        raise ValueError(
+            f"{run_or_checkpoint} holds no checkpoint; pass a run folder or a checkpoint folder"
+        )
+    meta_path = source / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{source} is not a mega checkpoint (no meta.json)")
+    saved = json.loads(meta_path.read_text())["trainer_state"]["config"]
+    model = [
+        (f"model.{k}", _toml_value(v).strip('"'))
+        for k, v in saved["model"]["overrides"].items()
+        if v is not None
+    ]
+    config = load_config(None, [("model.size", saved["model"]["size"]), *model, *overrides])
+    groups, device = _start(config)
+    built = build(config, groups, device)
+    load_checkpoint(source, built, groups)
+    state = gather_full_state(built.chunks, groups.pp)
+    if dist.get_rank() == 0 and groups.rank("dp") == 0:
+        assert state is not None
+        save_hf_checkpoint(state, out_dir, config=gpt_config(config))
+    dist.barrier()
+    return out_dir
