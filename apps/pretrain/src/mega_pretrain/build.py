@@ -85,8 +85,8 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     expert_ddp = None
     if model.is_moe:
         # Expert weights are replicated only over edp, but each one's gradient already sums
-        # the tokens of its whole ep group: summed over edp and scaled by 1/(dp*cp) it is the
-        # same mean over the global batch as the dense gradients' average over dp x cp.
+        # the tokens its ep x etp ranks routed to it: summed over edp and scaled by 1/(dp*cp)
+        # it is the same mean over the global batch as the dense gradients' average.
         ddp = DistributedDataParallel(wrapped, dp_group=groups.dp_cp, param_filter=_dense, **common)
         expert_ddp = DistributedDataParallel(
             wrapped, dp_group=groups.edp, param_filter=_expert, grad_reduce="sum",

@@ -28,6 +28,7 @@ from mega_pretrain.data import (
     split_train_valid,
 )
 from mega_pretrain.metrics import MetricsLogger, peak_tflops
+from mega_pretrain.moe_logging import moe_log_values
 from mega_pretrain.runtime import pick_device, start_distributed, world_size_from_env
 from mega_pretrain.schedule import lr_at
 from mega_pretrain.signals import StopRequest
@@ -98,7 +99,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     start_distributed(device, timedelta(minutes=10))
     groups = init_process_groups(parallel_config(config), timeout=timedelta(minutes=10))
     rank0 = dist.get_rank() == 0
-    console = console or Console(quiet=not rank0)
+    if console is None or not rank0:  # output goes to rank 0 only
+        console = Console(quiet=not rank0)
     t, p = config.train, config.parallel
     run_dir = Path(config.run.out_dir) / config.run.name
     if rank0:
@@ -171,10 +173,13 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                     record["mfu"] = tflops / peak
                 if device.type == "cuda":
                     record["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                record.update(moe_log_values(built.chunks, groups))  # collective; {} when dense
                 metrics.log(step, record)
                 losses.append(value)
                 eta = (t.steps - step) * elapsed / window_steps
                 mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
+                if "moe_imbalance" in record:
+                    mfu += f"  moe aux {record['moe_aux_loss']:.3f} imbalance {record['moe_imbalance']:.2f}"
                 console.print(
                     f"step {step:>6}/{t.steps}  loss {value:7.4f}  lr {lr:.2e}  "
                     f"grad {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s{mfu}  eta {eta:5.0f}s"

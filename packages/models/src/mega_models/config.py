@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["GPTConfig"]
+from mega_moe import MoEConfig, RouterConfig
+
+__all__ = ["MOE_LAYER_LETTERS", "GPTConfig"]
+
+#: Letters of ``moe_layer_pattern``: one per layer.
+MOE_LAYER_LETTERS: dict[str, str] = {"E": "mixture of experts", "-": "dense MLP"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,50 @@ class GPTConfig:
     """Dropout on the attention probabilities."""
     init_std: float = 0.02
     """Standard deviation of the normal init; output projections use init_std / sqrt(2 * num_layers)."""
+    num_experts: int = 0
+    """Routed experts of each MoE layer; 0 makes every layer a dense MLP (no MoE)."""
+    moe_top_k: int = 2
+    """Experts each token is sent to."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of one routed expert; None means ffn_size."""
+    moe_layer_freq: int = 1
+    """Every n-th layer is an MoE layer (layers 0, n, 2n, ...) unless moe_layer_pattern is set."""
+    moe_layer_pattern: str | None = None
+    """One letter per layer, ``E`` MoE or ``-`` dense MLP (e.g. ``-EEE``); overrides moe_layer_freq."""
+    moe_shared_expert_size: int = 0
+    """Inner width of the shared expert(s) every token also goes through (0: none)."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by ``sigmoid(x . w)`` per token (Qwen2-MoE)."""
+    moe_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."""
+    moe_softmax_before_topk: bool = False
+    """Softmax over all experts, then the top-k probabilities (else top-k logits, then softmax)."""
+    moe_normalize_topk: bool = False
+    """Divide the k combine weights by their sum (DeepSeek-V3 sigmoid routing)."""
+    moe_scaling_factor: float = 1.0
+    """Multiplies the combine weights (DeepSeek-V3's routed_scaling_factor)."""
+    moe_num_groups: int | None = None
+    """Group-limited routing: experts form this many groups (None: off)."""
+    moe_group_topk: int | None = None
+    """Group-limited routing: tokens choose inside their best this-many groups."""
+    moe_aux_loss_coeff: float = 0.0
+    """Switch-style load-balancing loss coefficient (per micro-batch; 0: off)."""
+    moe_seq_aux_loss_coeff: float = 0.0
+    """Sequence-level load-balancing loss coefficient (DeepSeek-V3; 0: off)."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss coefficient (0: off)."""
+    moe_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert routing bias moved toward balance after each step."""
+    moe_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update."""
+    moe_capacity_factor: float | None = None
+    """Token dropping: each expert takes at most factor * tokens * top_k / experts (None: no drop)."""
+    moe_drop_policy: Literal["probs", "position"] = "probs"
+    """Which tokens an over-full expert keeps: the highest weights, or the first ones."""
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens travel to their experts over ep."""
+    moe_grouped_experts: bool = True
+    """One grouped GEMM over all local experts (else a loop of expert modules)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -87,6 +136,89 @@ class GPTConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} ({p}) must be in [0, 1)")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        e = self.num_experts
+        if not isinstance(e, int) or isinstance(e, bool) or e < 0:
+            raise ValueError(f"num_experts ({e!r}) must be a non-negative integer; 0 means dense")
+        if e == 0:
+            return
+        if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= e:
+            raise ValueError(
+                f"moe_top_k ({self.moe_top_k!r}) must be between 1 and num_experts ({e}); "
+                f"choose moe_top_k <= {e}"
+            )
+        if not isinstance(self.moe_layer_freq, int) or self.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq ({self.moe_layer_freq!r}) must be a positive integer")
+        pattern = self.moe_layer_pattern
+        if pattern is not None:
+            bad = sorted({ch for ch in str(pattern) if ch not in MOE_LAYER_LETTERS})
+            if not isinstance(pattern, str) or bad or len(pattern) != self.num_layers:
+                raise ValueError(
+                    f"moe_layer_pattern ({pattern!r}) must have one letter per layer "
+                    f"({self.num_layers}), each 'E' (MoE) or '-' (dense MLP)"
+                )
+            if "E" not in pattern:
+                raise ValueError(
+                    f"moe_layer_pattern ({pattern!r}) has no MoE layer; add an 'E' or set "
+                    "num_experts to 0"
+                )
+        if self.add_bias:
+            raise ValueError(
+                "add_bias is not supported with MoE layers (experts have no biases); "
+                "set add_bias to false or num_experts to 0"
+            )
+        try:
+            self.moe_config()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"invalid MoE setting: {exc}") from None
+
+    @property
+    def is_moe(self) -> bool:
+        """True when some layers are mixtures of experts."""
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (global, from 0) is an MoE layer."""
+        if self.num_experts == 0:
+            return False
+        if self.moe_layer_pattern is not None:
+            return self.moe_layer_pattern[index] == "E"
+        return index % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global indices of the MoE layers."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """The inner width of one routed expert actually used."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
+
+    def moe_config(self) -> MoEConfig:
+        """The mega-moe settings of this model's MoE layers (needs num_experts > 0)."""
+        if self.num_experts == 0:
+            raise ValueError("moe_config() needs num_experts > 0; this config is dense")
+        router = RouterConfig(
+            num_experts=self.num_experts, top_k=self.moe_top_k,
+            score_function=self.moe_score_function,
+            softmax_before_topk=self.moe_softmax_before_topk,
+            normalize_topk=self.moe_normalize_topk, scaling_factor=self.moe_scaling_factor,
+            num_groups=self.moe_num_groups, group_topk=self.moe_group_topk,
+            aux_loss_coeff=self.moe_aux_loss_coeff, seq_aux_loss_coeff=self.moe_seq_aux_loss_coeff,
+            z_loss_coeff=self.moe_z_loss_coeff, expert_bias=self.moe_expert_bias,
+            bias_update_rate=self.moe_bias_update_rate, capacity_factor=self.moe_capacity_factor,
+            drop_policy=self.moe_drop_policy,
+        )  # fmt: skip
+        return MoEConfig(
+            router=router, ffn_hidden_size=self.moe_ffn_size, activation=self.activation,
+            dispatcher=self.moe_dispatcher,
+            experts="grouped" if self.moe_grouped_experts else "sequential",
+            shared_ffn_size=self.moe_shared_expert_size,
+            shared_expert_gate=self.moe_shared_expert_gate, aux_loss_in_backward=True,
+        )  # fmt: skip
 
     @property
     def head_dim(self) -> int:

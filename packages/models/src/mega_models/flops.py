@@ -3,33 +3,71 @@
 from __future__ import annotations
 
 from mega_models.config import GPTConfig
+from mega_moe import moe_activated_params
 
-__all__ = ["forward_flops_per_token", "matmul_params", "model_flops_per_token"]
+__all__ = [
+    "activated_matmul_params",
+    "forward_flops_per_token",
+    "matmul_params",
+    "model_flops_per_token",
+]
+
+
+def _attention_params(config: GPTConfig) -> int:
+    h, hd = config.hidden_size, config.head_dim
+    qkv = h * (config.num_attention_heads + 2 * config.kv_heads) * hd
+    return qkv + config.num_attention_heads * hd * h
+
+
+def _ffn_params(config: GPTConfig, ffn: int) -> int:
+    return (3 if config.activation == "swiglu" else 2) * config.hidden_size * ffn
+
+
+def _moe_total_params(config: GPTConfig) -> int:
+    """Matmul weights of one MoE layer: router, every routed expert, shared experts."""
+    h, e = config.hidden_size, config.num_experts
+    routed = e * _ffn_params(config, config.moe_ffn_size)
+    return h * e + routed + _ffn_params(config, config.moe_shared_expert_size)
 
 
 def matmul_params(config: GPTConfig) -> int:
     """Parameters that take part in matmuls: every linear weight plus the output layer.
 
-    The input embedding is a lookup, not a matmul (it counts once more only when tied).
+    On MoE layers every routed expert counts (the weights the model holds); see
+    :func:`activated_matmul_params` for the ones a token passes through. The input
+    embedding is a lookup, not a matmul (it counts once more only when tied).
     """
-    h, hd = config.hidden_size, config.head_dim
-    qkv = h * (config.num_attention_heads + 2 * config.kv_heads) * hd
-    proj = config.num_attention_heads * hd * h
-    ffn = config.ffn_size
-    mlp = (3 if config.activation == "swiglu" else 2) * h * ffn
-    return config.num_layers * (qkv + proj + mlp) + h * config.vocab_size
+    moe = len(config.moe_layers)
+    dense = config.num_layers - moe
+    per_layer = dense * _ffn_params(config, config.ffn_size)
+    if moe:
+        per_layer += moe * _moe_total_params(config)
+    attention = config.num_layers * _attention_params(config)
+    return attention + per_layer + config.hidden_size * config.vocab_size
+
+
+def activated_matmul_params(config: GPTConfig) -> int:
+    """Matmul weights one token passes through: as :func:`matmul_params`, but on MoE layers
+    only the router, its top-k routed experts and the shared experts."""
+    moe = len(config.moe_layers)
+    total = matmul_params(config)
+    if moe == 0:
+        return total
+    activated = moe_activated_params(config.hidden_size, config.moe_config())
+    return total - moe * (_moe_total_params(config) - activated)
 
 
 def forward_flops_per_token(config: GPTConfig, seq_len: int) -> float:
-    """Forward FLOPs per token: 2 per matmul weight, plus QK^T and AV over the full s x s.
+    """Forward FLOPs per token: 2 per activated matmul weight, plus QK^T and AV over s x s.
 
     Attention is counted over the full square (the PaLM/Megatron convention the peers use),
-    so causal masking is not discounted.
+    so causal masking is not discounted. MoE layers count only the experts a token is
+    routed to (top-k, without dropping or padding), the router and the shared experts.
     """
     attn = 2 * 2 * seq_len * config.num_attention_heads * config.head_dim * config.num_layers
-    return 2.0 * matmul_params(config) + attn
+    return 2.0 * activated_matmul_params(config) + attn
 
 
 def model_flops_per_token(config: GPTConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs per token (3 x forward): 6 N + 12 L h s for MHA."""
+    """Forward + backward FLOPs per token (3 x forward): 6 N + 12 L h s for MHA (N activated)."""
     return 3.0 * forward_flops_per_token(config, seq_len)

@@ -139,6 +139,7 @@ class GPTModel(nn.Module):
             str(i): TransformerLayer(
                 c, tp_group=groups.tp, cp_group=groups.cp, sequence_parallel=sp,
                 cp_method=cp_method, recompute_core=recompute == "selective", rng=rng,
+                layer_index=i, ep_group=groups.ep, etp_group=groups.etp, tp_cp_group=groups.tp_cp,
                 device=meta, dtype=dtype,
             )
             for i in self.stage.layers

@@ -15,7 +15,8 @@ from mega_models.attention import SelfAttention
 from mega_models.config import GPTConfig
 from mega_models.mlp import MLP
 from mega_models.norms import Norm
-from mega_tp_layers import RNGStatesTracker
+from mega_moe import MoELayer
+from mega_tp_layers import Normal, RNGStatesTracker, ScaledNormal
 
 __all__ = ["TransformerLayer", "rng_checkpoint_contexts"]
 
@@ -55,7 +56,14 @@ def rng_checkpoint_contexts(
 
 
 class TransformerLayer(nn.Module):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` on ``[s(/tp), b, h]``."""
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` on ``[s(/tp), b, h]``.
+
+    On an MoE layer (``config.is_moe_layer(layer_index)``) ``mlp`` is a
+    :class:`mega_moe.MoELayer` over ``ep_group`` / ``etp_group``; its router losses are
+    shares over ``tp_cp_group`` (the ranks holding parts of the same sequences) and enter
+    backward through its output, with gradient ``mlp.aux_loss_scale`` (1 by default: the
+    loss is the language-model loss plus the router losses).
+    """
 
     def __init__(
         self,
@@ -67,6 +75,10 @@ class TransformerLayer(nn.Module):
         cp_method: Literal["ring", "all_gather"] = "ring",
         recompute_core: bool = False,
         rng: RNGStatesTracker | None = None,
+        layer_index: int = 0,
+        ep_group: ProcessGroup | None = None,
+        etp_group: ProcessGroup | None = None,
+        tp_cp_group: ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -80,9 +92,21 @@ class TransformerLayer(nn.Module):
             cp_method=cp_method, recompute_core=recompute_core, rng=rng, device=device, dtype=dtype,
         )  # fmt: skip
         self.mlp_norm = Norm(c.hidden_size, c.norm, c.norm_eps, **norm_kw)
-        self.mlp = MLP(
-            c, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype
-        )
+        self.mlp: MLP | MoELayer
+        if c.is_moe_layer(layer_index):
+            self.mlp = MoELayer(
+                c.hidden_size, c.moe_config(), ep_group=ep_group, etp_group=etp_group,
+                tp_group=tp_group, sequence_parallel=sequence_parallel,
+                sequence_group=tp_group if tp_cp_group is None else tp_cp_group,
+                init_method=Normal(c.init_std),
+                output_init_method=ScaledNormal(c.init_std, c.num_layers),
+                device=device, dtype=dtype,
+            )  # fmt: skip
+        else:
+            self.mlp = MLP(
+                c, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device,
+                dtype=dtype,
+            )  # fmt: skip
         self.hidden_dropout = c.hidden_dropout
         self.sequence_parallel = sequence_parallel
         self.rng = rng

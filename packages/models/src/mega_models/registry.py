@@ -25,6 +25,22 @@ MODEL_SIZES: dict[str, GPTConfig] = {
         vocab_size=32000, hidden_size=2048, num_layers=24, num_attention_heads=16,
         ffn_hidden_size=5632, max_seq_len=2048,
     ),
+    # CPU MoE, Mixtral-style: every layer 8 experts, top-2 (top-k logits, then softmax), switch aux loss.
+    "mixtral-tiny": GPTConfig(
+        vocab_size=257, hidden_size=64, num_layers=4, num_attention_heads=8,
+        num_query_groups=4, ffn_hidden_size=128, max_seq_len=256, num_experts=8, moe_top_k=2,
+        moe_ffn_hidden_size=128, moe_aux_loss_coeff=1e-2,
+    ),
+    # CPU MoE, DeepSeek-V3-style: a dense first layer, 16 fine-grained experts, top-4 in the
+    # best 2 of 4 groups, sigmoid scores normalised over the k, one shared expert, aux-loss-free
+    # expert bias plus a small sequence-level balance loss.
+    "moe-tiny": GPTConfig(
+        vocab_size=257, hidden_size=64, num_layers=4, num_attention_heads=8,
+        num_query_groups=4, ffn_hidden_size=128, max_seq_len=256, num_experts=16, moe_top_k=4,
+        moe_ffn_hidden_size=32, moe_layer_pattern="-EEE", moe_shared_expert_size=32,
+        moe_score_function="sigmoid", moe_normalize_topk=True, moe_num_groups=4,
+        moe_group_topk=2, moe_expert_bias=True, moe_seq_aux_loss_coeff=1e-4,
+    ),
     # Llama-3-8B shape.
     "8b": GPTConfig(
         vocab_size=128256, hidden_size=4096, num_layers=32, num_attention_heads=32,

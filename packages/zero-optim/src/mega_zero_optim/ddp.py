@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,6 +61,14 @@ class DistributedDataParallel(nn.Module):
     backward of the last; then ``finish_grad_sync()`` (the distributed optimizer calls it).
     A parameter that gets no gradient in a step contributes zeros. Parameters are
     broadcast from dp rank 0 at construction so that all replicas start equal.
+
+    ``param_filter(name, param)`` selects the parameters this wrapper owns (default: every
+    trainable one), so that two wrappers of one module can reduce different parameters
+    over different groups, e.g. mixture-of-experts weights over the expert data-parallel
+    group and the rest over dp. ``grad_scale`` multiplies every gradient as it is
+    accumulated, before the reduction (and before the ``1/dp`` of ``grad_reduce="mean"``):
+    expert weights summed over a group smaller than dp use ``grad_reduce="sum"`` and
+    ``grad_scale=1/dp``.
     """
 
     def __init__(
@@ -73,6 +82,8 @@ class DistributedDataParallel(nn.Module):
         grad_dtype: torch.dtype | None = torch.float32,
         grad_reduce: str = "mean",
         broadcast_params: bool = True,
+        param_filter: Callable[[str, nn.Parameter], bool] | None = None,
+        grad_scale: float = 1.0,
     ) -> None:
         super().__init__()
         if bucket_size is not None and (
@@ -91,14 +102,27 @@ class DistributedDataParallel(nn.Module):
                 f"grad_dtype ({grad_dtype}) must be a floating-point dtype, e.g. torch.float32, "
                 "or None for each parameter's own dtype"
             )
+        if (
+            isinstance(grad_scale, bool)
+            or not isinstance(grad_scale, (int, float))
+            or not (grad_scale > 0 and math.isfinite(grad_scale))
+        ):
+            raise ValueError(
+                f"grad_scale ({grad_scale!r}) must be a positive finite number; use 1.0 for none"
+            )
         self.module = module
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self._sync_enabled = True
+        self.grad_scale = float(grad_scale)
 
-        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        trainable = [
+            (n, p)
+            for n, p in module.named_parameters()
+            if p.requires_grad and (param_filter is None or param_filter(n, p))
+        ]
         devices = sorted({str(p.device) for _, p in trainable})
         if len(devices) > 1:
             raise ValueError(
@@ -152,7 +176,7 @@ class DistributedDataParallel(nn.Module):
                         "the last microbatch's backward inside no_sync()"
                     )
             if param.grad is not None:
-                main_grad.add_(param.grad)
+                main_grad.add_(param.grad, alpha=self.grad_scale)
                 param.grad = None
             if self._sync_enabled and self.overlap_grad_reduce:
                 for bucket in buckets:

@@ -1,0 +1,289 @@
+"""A tiny MoE GPT trains through the trainer at ep x dp, ep x tp, ep x pp, ep x cp like one process.
+
+The trainer's parts (GPTModel with MoE layers split over ep/etp/tp/pp/cp, mega-pipeline's
+schedule, two mega-zero-optim DDPs — dense weights averaged over dp x cp, expert weights
+summed over the expert data-parallel group and scaled by 1/(dp x cp) — and one
+distributed optimizer whose gradient norm counts every expert shard once) run 3 AdamW
+steps on a Mixtral-style model: 2 layers, hidden 32, 4 experts, top-2, no token dropping,
+a switch aux loss and a z-loss. A DeepSeek-style variant adds sigmoid group-limited
+routing, a shared expert, a sequence-level loss and the aux-loss-free expert bias (updated
+after every step). The reference is the same model in one plain process:
+``torch.optim.AdamW``, gradient accumulation over the global batch's micro-batches (each
+micro-batch's loss is its mean language-model loss plus its router losses),
+``clip_grad_norm_``. Losses of every step, the full weights after the last step (experts
+gathered over ep and etp) and the logged router loss and expert load must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mega_models import GPTConfig, GPTModel
+from mega_moe import MoELayer, expert_shard, gather_expert_weight, update_expert_biases
+from mega_parallel_grid import ProcessGroups, init_process_groups
+from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
+from mega_pretrain.build import build, gpt_config, parallel_config
+from mega_pretrain.config import load_config
+from mega_pretrain.moe_logging import moe_log_values
+from mega_pretrain.step import StepRunner
+from mega_pretrain.validate import check_config
+from mega_tp_layers import gather_full, shard_spec
+
+STEPS, SEQ, MICRO, GLOBAL = 3, 16, 2, 8
+LR = 1e-3
+# Tolerances and Adam's eps as in test_gpt_training_layouts.py: fp32 layouts reorder float
+# sums (~1e-7 relative per op); after 3 Adam steps of lr 1e-3 a weight carries ~lr * 1e-5 of
+# that rounding, so 1e-6 absolute on weights, while a wrong or missing gradient (or a wrong
+# aux-loss or expert-gradient scale) moves a weight by ~lr = 1e-3. eps = 1e-5 keeps Adam's
+# first update proportional to a nearly cancelling gradient instead of lr * sign(noise).
+EPS = 1e-5
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+WEIGHT_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+MIXTRAL = {
+    "hidden_size": 32, "num_layers": 2, "num_attention_heads": 4, "num_query_groups": 2,
+    "num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 64, "moe_aux_loss_coeff": 0.01,
+    "moe_z_loss_coeff": 0.001,
+}  # fmt: skip
+DEEPSEEK = {
+    **MIXTRAL, "moe_aux_loss_coeff": 0.0, "moe_score_function": "sigmoid",
+    "moe_normalize_topk": True, "moe_num_groups": 2, "moe_group_topk": 1,
+    "moe_shared_expert_size": 32, "moe_seq_aux_loss_coeff": 0.01, "moe_expert_bias": True,
+    "moe_bias_update_rate": 0.01, "moe_grouped_experts": False,
+}  # fmt: skip
+
+
+def _overrides(layout: dict[str, object], model: dict[str, object]) -> list[tuple[str, str]]:
+    out = [
+        ("model.size", "mixtral-tiny"), ("train.seq_len", str(SEQ)),
+        ("train.micro_batch_size", str(MICRO)), ("train.global_batch_size", str(GLOBAL)),
+        ("train.lr", str(LR)), ("train.min_lr", str(LR)), ("train.warmup_steps", "0"),
+        ("train.decay", "constant"), ("train.clip_grad", "1.0"), ("parallel.bucket_size", "1000"),
+        ("train.eps", str(EPS)),
+    ]  # fmt: skip
+    out += [
+        (f"parallel.{k}", str(v).lower() if isinstance(v, bool) else str(v))
+        for k, v in layout.items()
+    ]
+    out += [
+        (f"model.{k}", str(v).lower() if isinstance(v, bool) else str(v)) for k, v in model.items()
+    ]
+    return out
+
+
+def _batches(seed: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch of a step, cut into micro-batches."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    tokens = torch.randint(0, 257, (GLOBAL, SEQ + 1), generator=gen)
+    return [
+        (tokens[i : i + MICRO, :-1], tokens[i : i + MICRO, 1:]) for i in range(0, GLOBAL, MICRO)
+    ]
+
+
+def _full_weights(chunks: list[GPTModel], groups: ProcessGroups) -> dict[str, torch.Tensor]:
+    """Every weight unsplit: experts over ep and etp, the rest over tp (vocab padding cut)."""
+    out = {}
+    for chunk in chunks:
+        vocab = chunk.config.vocab_size
+        for name, p in chunk.named_parameters():
+            if expert_shard(p) is not None:
+                t = gather_expert_weight(p, groups.ep, groups.etp)
+            else:
+                t = p.detach()
+                spec = shard_spec(p)
+                if spec is not None and spec.dim is not None and spec.num_shards > 1:
+                    t = gather_full(t, spec, groups.tp)
+            if name.startswith(("embedding.word", "output")):
+                t = t[:vocab]
+            out[name] = t.float().cpu().clone()
+    return out
+
+
+def _moe_layers(model: torch.nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+Stats = tuple[torch.Tensor, float]  # per-layer tokens per expert [L, E], router loss summed
+
+
+def _stats(net: GPTModel) -> Stats:
+    layers = _moe_layers(net)
+    counts = torch.stack([m.last_stats.tokens_per_expert.cpu() for m in layers if m.last_stats])
+    return counts.double(), float(sum(float(m.last_stats.loss) for m in layers if m.last_stats))
+
+
+def _reference(
+    model: dict[str, object],
+) -> tuple[list[float], dict[str, torch.Tensor], list[Stats]]:
+    config = load_config(None, _overrides({}, model))
+    gpt = gpt_config(config)
+    dev = rank_device()
+    net = GPTModel(gpt, solo_groups(), seed=config.train.seed, device=dev)
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    no_decay = [p for p in net.parameters() if p.dim() < 2]
+    t = config.train
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR, betas=(t.beta1, t.beta2), eps=t.eps,
+    )  # fmt: skip
+    losses: list[float] = []
+    stats: list[Stats] = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        batches = _batches(7, step)
+        for layer in _moe_layers(net):  # the router losses weigh like the LM loss: 1/m
+            layer.aux_loss_scale = 1.0 / len(batches)
+        stats = []
+        for tokens, labels in batches:
+            loss = net(tokens.to(dev), labels.to(dev)).mean() / len(batches)
+            loss.backward()  # + the router losses' gradient, inside the MoE layers
+            total += float(loss.detach())
+            stats.append(_stats(net))
+        torch.nn.utils.clip_grad_norm_(net.parameters(), t.clip_grad)
+        opt.step()
+        update_expert_biases(net)
+        losses.append(total)
+    return losses, _full_weights([net], solo_groups()), stats
+
+
+def _parallel(
+    layout: dict[str, object], model: dict[str, object]
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, float]]:
+    config = load_config(None, _overrides(layout, model))
+    gpt = gpt_config(config)
+    check_config(config, gpt, torch.distributed.get_world_size())
+    groups = init_process_groups(parallel_config(config))
+    dev = rank_device()
+    built = build(config, groups, dev)
+    assert built.expert_ddp is not None
+    runner = StepRunner(
+        built, groups, seq_len=SEQ, micro_batch_size=MICRO, hidden_size=gpt.hidden_size,
+        dtype=torch.float32, device=dev, sequence_parallel=config.parallel.sequence_parallel,
+    )  # fmt: skip
+    dp, dp_rank = groups.size("dp"), groups.rank("dp")
+    losses = []
+    for step in range(STEPS):
+        mine = _batches(7, step)[dp_rank::dp]  # this dp rank's micro-batches
+        loss, _ = runner.train_step(mine, LR)
+        losses.append(float(loss))
+    logged = moe_log_values(built.chunks, groups)
+    return losses, _full_weights(built.chunks, groups), logged
+
+
+def _expected_log(stats: list[Stats], dp: int) -> dict[str, float]:
+    """What the trainer logs: the last micro-batch of every dp rank, summed over dp."""
+    last = [len(stats) - dp + d for d in range(dp)]  # dp rank d runs micro-batches d, d+dp, ...
+    counts = sum(stats[i][0] for i in last)
+    assert isinstance(counts, torch.Tensor)
+    shares = counts / counts.sum(dim=1, keepdim=True)
+    return {
+        "moe_aux_loss": sum(stats[i][1] for i in last) / dp,
+        "moe_load_min": float(shares.min()),
+        "moe_load_max": float(shares.max()),
+        "moe_imbalance": float(shares.max(dim=1).values.max() * counts.shape[1]),
+    }
+
+
+def _world(layout: dict[str, object], dp: int) -> int:
+    sizes = [int(str(layout.get(k, 1))) for k in ("tp", "pp", "cp")]
+    return sizes[0] * sizes[1] * sizes[2] * dp
+
+
+def _check(
+    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
+) -> None:
+    ref_losses, ref_weights, ref_stats = dist_pool.run(_reference, 1, args=(model,))[0]
+    results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model))
+    expected_log = _expected_log(ref_stats, dp)
+    for losses, _, logged in results:  # every rank logs the same global-batch values
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL)
+        assert logged.keys() == expected_log.keys()
+        for key, got in logged.items():  # loads are exact counts; the loss an fp32 sum
+            torch.testing.assert_close(got, expected_log[key], rtol=1e-5, atol=1e-7, msg=key)
+    merged: dict[str, torch.Tensor] = {}
+    for _, weights, _ in results:  # each pipeline stage returns its own layers
+        merged.update(weights)
+    assert set(merged) == set(ref_weights)
+    for name, value in merged.items():
+        torch.testing.assert_close(
+            value, ref_weights[name], msg=lambda m, n=name: f"{n}: {m}", **WEIGHT_TOL
+        )
+
+
+CASES = [
+    ({"ep": 2}, MIXTRAL, 4),  # ep2·dp2: ep folded over dp, experts summed over edp = 2
+    ({"ep": 2, "tp": 2}, MIXTRAL, 2),  # ep2·tp2: etp = tp = 2, edp = 1
+    ({"ep": 2, "tp": 2, "etp": 1, "sequence_parallel": True}, DEEPSEEK, 2),
+    ({"ep": 2, "pp": 2}, MIXTRAL, 2),  # router losses of the first stage enter its backward
+    ({"ep": 2, "cp": 2}, DEEPSEEK, 2),  # router losses over tp x cp, DDP mean over cp
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "model", "dp"),
+    CASES,
+    ids=["ep2-dp2", "ep2-tp2", "ep2-tp2-etp1-sp-deepseek", "ep2-pp2", "ep2-cp2-deepseek"],
+)
+def test_moe_training_matches_single_process(
+    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
+) -> None:
+    _check(dist_pool, layout, model, dp)
+
+
+def _message(layout: dict[str, object], model: dict[str, object], world: int, seq: int) -> str:
+    config = load_config(None, [*_overrides(layout, model), ("train.seq_len", str(seq))])
+    try:
+        check_config(config, gpt_config(config), world)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("layout", "model", "world", "seq", "expected"),
+    [
+        ({"ep": 4}, {"num_experts": 6}, 4, SEQ, "model.num_experts (6) is not divisible by ep (4)"),
+        (
+            {"tp": 2, "etp": 2},
+            {"moe_ffn_hidden_size": 33},
+            2,
+            SEQ,
+            "the expert FFN size (model.moe_ffn_hidden_size, 33) is not divisible by etp (2)",
+        ),
+        (
+            {"tp": 2},
+            {"moe_shared_expert_size": 33},
+            2,
+            SEQ,
+            "model.moe_shared_expert_size (33) is not divisible by tp (2)",
+        ),
+        ({"ep": 2}, {"num_experts": 0}, 2, SEQ, "ep (2) > 1 needs an MoE model"),
+        ({"tp": 4}, {}, 4, 18, "MoE layers split each cp rank's sequence (18 tokens) over tp (4)"),
+    ],
+    ids=["experts-ep", "ffn-etp", "shared-tp", "ep-dense", "seq-tp"],
+)
+def test_bad_moe_layout_fails_at_config_time(
+    layout: dict[str, object], model: dict[str, object], world: int, seq: int, expected: str
+) -> None:
+    message = _message(layout, model, world, seq)
+    assert message.startswith(expected), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"num_experts": 4, "moe_top_k": 5}, "moe_top_k (5) must be between 1 and num_experts (4)"),
+        ({"moe_layer_pattern": "E-E"}, "moe_layer_pattern ('E-E') must have one letter per layer"),
+        ({"add_bias": True}, "add_bias is not supported with MoE layers"),
+        ({"moe_capacity_factor": -1.0}, "invalid MoE setting: capacity_factor (-1.0) must be > 0"),
+    ],
+    ids=["top-k", "pattern", "bias", "router"],
+)
+def test_bad_moe_model_fails_in_gpt_config(changes: dict[str, object], expected: str) -> None:
+    with pytest.raises(ValueError) as info:
+        GPTConfig(**{**MIXTRAL, **changes})  # type: ignore[arg-type]
+    assert str(info.value).startswith(expected), str(info.value)
+    assert "\n" not in str(info.value)
