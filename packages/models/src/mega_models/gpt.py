@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import zigzag_positions
+from mega_models.head import lm_head
 from mega_models.layer import TransformerLayer, rng_checkpoint_contexts
 from mega_models.norms import Norm
 from mega_models.replicated import KeepsParamAttrs
@@ -24,13 +25,11 @@ from mega_tp_layers import (
     Normal,
     RNGStatesTracker,
     VocabParallelEmbedding,
-    column_parallel_linear,
     init_parameters,
     mark_replicated,
     scatter_to_sequence_region,
     set_shard_spec,
     shard_spec,
-    vocab_parallel_cross_entropy,
 )
 
 __all__ = ["GPTModel"]
@@ -208,19 +207,9 @@ class GPTModel(nn.Module):
             out: Tensor = hidden
             return out
         assert self.final_norm is not None
-        hidden = self.final_norm(hidden)
-        logits: Tensor
-        if self.output is not None:
-            logits = self.output(hidden)  # [s(/tp), b, h] -> [s, b, V_pad/tp]
-        else:
-            assert self.embedding is not None
-            logits = column_parallel_linear(
-                hidden, self.embedding.word.weight, tp_group=self.tp_group,
-                sequence_parallel=self.sequence_parallel,
-            )  # fmt: skip
-        if labels is None:
-            return logits.transpose(0, 1)  # [b, s, V_pad/tp]
-        loss = vocab_parallel_cross_entropy(
-            logits, labels.t(), self.tp_group, vocab_size=c.vocab_size
-        )
-        return loss.t()  # [s, b] -> [b, s]
+        return lm_head(
+            hidden, labels, final_norm=self.final_norm, output=self.output,
+            tied_weight=self.embedding.word.weight if self.embedding is not None else None,
+            tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
+            vocab_size=self.config.vocab_size,
+        )  # fmt: skip

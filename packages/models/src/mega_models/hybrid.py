@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mega_models.attention import SelfAttention
 from mega_models.gpt import _Embedding
+from mega_models.head import lm_head
 from mega_models.hybrid_config import HybridConfig
 from mega_models.layer import rng_checkpoint_contexts
 from mega_models.mamba import Mamba2Mixer
@@ -25,12 +26,10 @@ from mega_tp_layers import (
     ColumnParallelLinear,
     Normal,
     RNGStatesTracker,
-    column_parallel_linear,
     init_parameters,
     scatter_to_sequence_region,
     set_shard_spec,
     shard_spec,
-    vocab_parallel_cross_entropy,
 )
 
 __all__ = ["HybridLayer", "HybridModel"]
@@ -218,22 +217,12 @@ class HybridModel(nn.Module):
             out: Tensor = hidden
             return out
         assert self.final_norm is not None
-        hidden = self.final_norm(hidden)
-        logits: Tensor
-        if self.output is not None:
-            logits = self.output(hidden)  # [s(/tp), b, h] -> [s, b, V_pad/tp]
-        else:
-            assert self.embedding is not None
-            logits = column_parallel_linear(
-                hidden, self.embedding.word.weight, tp_group=self.tp_group,
-                sequence_parallel=self.sequence_parallel,
-            )  # fmt: skip
-        if labels is None:
-            return logits.transpose(0, 1)  # [b, s, V_pad/tp]
-        loss = vocab_parallel_cross_entropy(
-            logits, labels.t(), self.tp_group, vocab_size=c.vocab_size
-        )
-        return loss.t()  # [s, b] -> [b, s]
+        return lm_head(
+            hidden, labels, final_norm=self.final_norm, output=self.output,
+            tied_weight=self.embedding.word.weight if self.embedding is not None else None,
+            tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
+            vocab_size=self.config.vocab_size,
+        )  # fmt: skip
 
     def _layers(self) -> list[HybridLayer]:
         return [layer for layer in self.layers.values() if isinstance(layer, HybridLayer)]
