@@ -29,6 +29,7 @@ from mega_pretrain.data import (
 )
 from mega_pretrain.metrics import MetricsLogger, peak_tflops
 from mega_pretrain.moe_logging import moe_log_values
+from mega_pretrain.progress import LiveProgress
 from mega_pretrain.runtime import pick_device, start_distributed, world_size_from_env
 from mega_pretrain.schedule import lr_at
 from mega_pretrain.signals import StopRequest
@@ -137,7 +138,9 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
         f"{t.steps} steps of {tokens_per_step} tokens -> {run_dir}"
     )
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
+    live = LiveProgress(console, t.steps, step)
     try:
+        live.__enter__()
         while step < t.steps:
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                        total_steps=t.steps, decay=t.decay, wsd_decay_fraction=t.wsd_decay_fraction)  # fmt: skip
@@ -184,7 +187,9 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                     f"step {step:>6}/{t.steps}  loss {value:7.4f}  lr {lr:.2e}  "
                     f"grad {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s{mfu}  eta {eta:5.0f}s"
                 )
+                live.advance(step, f"loss {value:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s{mfu}")
                 window_start, window_steps = time.perf_counter(), 0
+            live.advance(step)
             if valid_set is not None and t.eval_interval and step % t.eval_interval == 0:
                 _evaluate(runner, valid_set, config, dp_rank, dp, metrics, step, console)
             if stop.requested():
@@ -215,6 +220,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
             config.checkpoint.keep_last,
         )
     finally:
+        live.__exit__(None, None, None)
         stop.restore()
         metrics.close()
     total = time.perf_counter() - run_start
