@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from mega_parallel_grid import ProcessGroups
 from mega_pretrain.build import Built
+from mega_pretrain.ckpt.buffers import saved_buffers
 from mega_pretrain.ckpt.meta import (
     CheckpointError,
     LocalParam,
@@ -407,4 +408,9 @@ def load_checkpoint(path: Path, built: Built, groups: ProcessGroups) -> dict[str
         error = str(exc)
     _raise_first(gather_objects(error, world))
     built.optimizer.load_state_dict(shard)
+    wanted = saved_buffers(built)
+    index = read_dcp_metadata(path).state_dict_metadata
+    present = sorted(key for key in wanted if key in index)  # checkpoints before buffers: none
+    for key, value in _read(path, present, index).items():
+        wanted[key].copy_(value)
     return {**meta["trainer_state"], "rng_restored": same_layout}

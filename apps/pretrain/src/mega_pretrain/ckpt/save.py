@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from mega_parallel_grid import ProcessGroups
 from mega_pretrain.build import Built
+from mega_pretrain.ckpt.buffers import saved_buffers
 from mega_pretrain.ckpt.meta import (
     FORMAT,
     LATEST_FILE,
@@ -251,6 +252,7 @@ def save_checkpoint(
     indices = gather_objects(index, world)
     canonical = _canonical(indices)
     tensors = _tensors(params, opt_state, (index["pp"], index["tp"]), canonical)
+    tensors.update(saved_buffers(built))  # e.g. MoE expert biases: the same on every rank
     try:
         dcp_save(tensors, storage_writer=FileSystemWriter(tmp), process_group=world)
     except CheckpointException as exc:
