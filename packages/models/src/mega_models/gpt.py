@@ -2,76 +2,29 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import zigzag_positions
-from mega_models.head import lm_head
+from mega_models.head import Embedding, embed, lm_head, make_head, mark_tied_copy
 from mega_models.layer import TransformerLayer, rng_checkpoint_contexts
 from mega_models.norms import Norm
-from mega_models.replicated import KeepsParamAttrs
 from mega_models.rope import rope_tables
 from mega_models.stages import StageSpec, stage_spec
 from mega_parallel_grid import ProcessGroups
 from mega_tp_layers import (
-    INIT_ATTR,
     ColumnParallelLinear,
-    Normal,
     RNGStatesTracker,
-    VocabParallelEmbedding,
     init_parameters,
-    mark_replicated,
-    scatter_to_sequence_region,
-    set_shard_spec,
-    shard_spec,
 )
 
 __all__ = ["GPTModel"]
 
 Recompute = Literal["none", "selective", "full"]
-
-
-class _Embedding(nn.Module):
-    """Token embedding (vocab-parallel) plus an optional learned position table."""
-
-    def __init__(
-        self,
-        config: GPTConfig,
-        tp_group: ProcessGroup,
-        sp: bool,
-        device: torch.device | str | None,
-        dtype: torch.dtype | None,
-    ) -> None:
-        super().__init__()
-        self.word = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_group=tp_group, sequence_parallel=sp,
-            init_method=Normal(config.init_std), device=device, dtype=dtype,
-        )  # fmt: skip
-        self.position: _Positions | None = None
-        if config.position == "learned":
-            self.position = _Positions(config, tp_group, device, dtype)
-
-
-class _Positions(KeepsParamAttrs):
-    def __init__(
-        self,
-        config: GPTConfig,
-        tp_group: ProcessGroup,
-        device: torch.device | str | None,
-        dtype: torch.dtype | None,
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(config.max_seq_len, config.hidden_size, device=device, dtype=dtype)
-        )
-        setattr(self.weight, INIT_ATTR, Normal(config.init_std))
-        mark_replicated(self.weight, tp_group)
 
 
 class GPTModel(nn.Module):
@@ -129,11 +82,11 @@ class GPTModel(nn.Module):
         target = torch.device(device) if device is not None else torch.device("cpu")
         meta = torch.device("meta")
         sp = sequence_parallel
-        self.embedding: _Embedding | None = None
+        self.embedding: Embedding | None = None
         if self.stage.first or (self.stage.last and c.tie_embeddings):
             # the last stage of a tied model keeps a copy under the same name: same init,
             # and its gradient is summed with the first stage's (finalize_model_grads)
-            self.embedding = _Embedding(c, groups.tp, sp, meta, dtype)
+            self.embedding = Embedding(c, groups.tp, sp, meta, dtype)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(
                 c, tp_group=groups.tp, cp_group=groups.cp, sequence_parallel=sp,
@@ -146,22 +99,11 @@ class GPTModel(nn.Module):
         self.final_norm: Norm | None = None
         self.output: ColumnParallelLinear | None = None
         if self.stage.last:
-            self.final_norm = Norm(c.hidden_size, c.norm, c.norm_eps, tp_group=groups.tp,
-                                   partial_grads=sp, device=meta, dtype=dtype)  # fmt: skip
-            if not c.tie_embeddings:
-                self.output = ColumnParallelLinear(
-                    c.hidden_size, c.vocab_size, tp_group=groups.tp, bias=False,
-                    sequence_parallel=sp, pad_out_features=True,
-                    init_method=Normal(c.init_std), device=meta, dtype=dtype,
-                )  # fmt: skip
+            self.final_norm, self.output = make_head(c, groups.tp, sp, meta, dtype)
         self.to_empty(device=target)
         init_parameters(self, seed)
         if self.embedding is not None and not self.stage.first:
-            # the tied copy on the last stage repeats the first stage's: count it once
-            weight = self.embedding.word.weight
-            spec = shard_spec(weight)
-            assert spec is not None
-            set_shard_spec(weight, dataclasses.replace(spec, duplicate=True))
+            mark_tied_copy(self.embedding.word.weight)
 
     def _positions(self, local_len: int, device: torch.device) -> tuple[Tensor, int]:
         """Absolute positions of this rank's tokens, and the full sequence length."""
@@ -177,12 +119,10 @@ class GPTModel(nn.Module):
             assert self.embedding is not None
             ids = x.t()  # [b, s] -> [s, b]
             positions, seq_len = self._positions(ids.shape[0], ids.device)
-            hidden = self.embedding.word(ids)  # -> [s(/tp), b, h]
-            if self.embedding.position is not None:
-                table = self.embedding.position.weight[positions].unsqueeze(1)  # [s, 1, h]
-                if self.sequence_parallel:
-                    table = scatter_to_sequence_region(table, self.tp_group)
-                hidden = hidden + table
+            hidden = embed(
+                self.embedding, ids, positions,
+                sequence_parallel=self.sequence_parallel, tp_group=self.tp_group,
+            )  # fmt: skip
         else:
             hidden = x
             local = hidden.shape[0] * (

@@ -1,17 +1,113 @@
-"""The last stage's head: final norm, output layer (own or tied), then logits or per-token loss."""
+"""The model's two ends, shared by GPTModel and HybridModel: embedding lookup and the head."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from mega_models.config import GPTConfig
+from mega_models.norms import Norm
+from mega_models.replicated import KeepsParamAttrs
 from mega_tp_layers import (
+    INIT_ATTR,
     ColumnParallelLinear,
+    Normal,
+    VocabParallelEmbedding,
     column_parallel_linear,
+    mark_replicated,
+    scatter_to_sequence_region,
+    set_shard_spec,
+    shard_spec,
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["lm_head"]
+__all__ = ["Embedding", "Positions", "embed", "lm_head", "make_head", "mark_tied_copy"]
+
+
+class Embedding(nn.Module):
+    """Token embedding (vocab-parallel) plus an optional learned position table."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        tp_group: ProcessGroup,
+        sp: bool,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.word = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_group=tp_group, sequence_parallel=sp,
+            init_method=Normal(config.init_std), device=device, dtype=dtype,
+        )  # fmt: skip
+        self.position: Positions | None = None
+        if config.position == "learned":
+            self.position = Positions(config, tp_group, device, dtype)
+
+
+class Positions(KeepsParamAttrs):
+    def __init__(
+        self,
+        config: GPTConfig,
+        tp_group: ProcessGroup,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(config.max_seq_len, config.hidden_size, device=device, dtype=dtype)
+        )
+        setattr(self.weight, INIT_ATTR, Normal(config.init_std))
+        mark_replicated(self.weight, tp_group)
+
+
+def embed(
+    embedding: Embedding,
+    ids: Tensor,
+    positions: Tensor,
+    *,
+    sequence_parallel: bool,
+    tp_group: ProcessGroup,
+) -> Tensor:
+    """``[s, b]`` ids at absolute ``positions`` -> ``[s(/tp), b, h]``: tokens + learned positions."""
+    hidden: Tensor = embedding.word(ids)  # -> [s(/tp), b, h]
+    if embedding.position is not None:
+        table = embedding.position.weight[positions].unsqueeze(1)  # [s, 1, h]
+        if sequence_parallel:
+            table = scatter_to_sequence_region(table, tp_group)
+        hidden = hidden + table
+    return hidden
+
+
+def make_head(
+    config: GPTConfig,
+    tp_group: ProcessGroup,
+    sequence_parallel: bool,
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> tuple[Norm, ColumnParallelLinear | None]:
+    """The final norm and, unless the embedding is tied, the vocab-parallel output layer."""
+    c = config
+    norm = Norm(c.hidden_size, c.norm, c.norm_eps, tp_group=tp_group,
+                partial_grads=sequence_parallel, device=device, dtype=dtype)  # fmt: skip
+    if c.tie_embeddings:
+        return norm, None
+    output = ColumnParallelLinear(
+        c.hidden_size, c.vocab_size, tp_group=tp_group, bias=False,
+        sequence_parallel=sequence_parallel, pad_out_features=True,
+        init_method=Normal(c.init_std), device=device, dtype=dtype,
+    )  # fmt: skip
+    return norm, output
+
+
+def mark_tied_copy(weight: Tensor) -> None:
+    """The tied copy on the last stage repeats the first stage's: count it once in norms."""
+    spec = shard_spec(weight)
+    assert spec is not None
+    set_shard_spec(weight, dataclasses.replace(spec, duplicate=True))
 
 
 def lm_head(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
 import torch
@@ -12,8 +11,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from mega_models.attention import SelfAttention
-from mega_models.gpt import _Embedding
-from mega_models.head import lm_head
+from mega_models.head import Embedding, embed, lm_head, make_head, mark_tied_copy
 from mega_models.hybrid_config import HybridConfig
 from mega_models.layer import rng_checkpoint_contexts
 from mega_models.mamba import Mamba2Mixer
@@ -24,12 +22,8 @@ from mega_models.stages import StageSpec, stage_spec
 from mega_parallel_grid import ProcessGroups
 from mega_tp_layers import (
     ColumnParallelLinear,
-    Normal,
     RNGStatesTracker,
     init_parameters,
-    scatter_to_sequence_region,
-    set_shard_spec,
-    shard_spec,
 )
 
 __all__ = ["HybridLayer", "HybridModel"]
@@ -155,9 +149,9 @@ class HybridModel(nn.Module):
         target = torch.device(device) if device is not None else torch.device("cpu")
         meta = torch.device("meta")
         sp = sequence_parallel
-        self.embedding: _Embedding | None = None
+        self.embedding: Embedding | None = None
         if self.stage.first or (self.stage.last and c.tie_embeddings):
-            self.embedding = _Embedding(c, groups.tp, sp, meta, dtype)  # tied: summed over pp
+            self.embedding = Embedding(c, groups.tp, sp, meta, dtype)  # tied: summed over pp
         layer_kw: dict[str, Any] = {"tp_group": groups.tp, "cp_group": groups.cp,
                                     "sequence_parallel": sp, "recompute_core":
                                     recompute == "selective", "rng": rng, "device": meta,
@@ -168,22 +162,11 @@ class HybridModel(nn.Module):
         self.final_norm: Norm | None = None
         self.output: ColumnParallelLinear | None = None
         if self.stage.last:
-            self.final_norm = Norm(c.hidden_size, c.norm, c.norm_eps, tp_group=groups.tp,
-                                   partial_grads=sp, device=meta, dtype=dtype)  # fmt: skip
-            if not c.tie_embeddings:
-                self.output = ColumnParallelLinear(
-                    c.hidden_size, c.vocab_size, tp_group=groups.tp, bias=False,
-                    sequence_parallel=sp, pad_out_features=True,
-                    init_method=Normal(c.init_std), device=meta, dtype=dtype,
-                )  # fmt: skip
+            self.final_norm, self.output = make_head(c, groups.tp, sp, meta, dtype)
         self.to_empty(device=target)
         init_parameters(self, seed)
         if self.embedding is not None and not self.stage.first:
-            # the tied copy on the last stage repeats the first stage's: count it once
-            weight = self.embedding.word.weight
-            spec = shard_spec(weight)
-            assert spec is not None
-            set_shard_spec(weight, dataclasses.replace(spec, duplicate=True))
+            mark_tied_copy(self.embedding.word.weight)
 
     def forward(self, x: Tensor, labels: Tensor | None = None) -> Tensor:
         c = self.config
@@ -191,12 +174,10 @@ class HybridModel(nn.Module):
             assert self.embedding is not None
             ids = x.t()  # [b, s] -> [s, b]
             seq_len = ids.shape[0]
-            hidden = self.embedding.word(ids)  # -> [s(/tp), b, h]
-            if self.embedding.position is not None:
-                table = self.embedding.position.weight[:seq_len].unsqueeze(1)  # [s, 1, h]
-                if self.sequence_parallel:
-                    table = scatter_to_sequence_region(table, self.tp_group)
-                hidden = hidden + table
+            hidden = embed(
+                self.embedding, ids, torch.arange(seq_len, device=ids.device),
+                sequence_parallel=self.sequence_parallel, tp_group=self.tp_group,
+            )  # fmt: skip
         else:
             hidden = x
             tp = torch.distributed.get_world_size(self.tp_group)
