@@ -157,6 +157,7 @@ LAYOUTS = [
     {"tp": 4, "sequence_parallel": True},
     {"pp": 2},
     {"pp": 2, "vpp": 2},
+    {"pp": 4},
     {"pp": 4, "vpp": 2},
     {"cp": 2},
     {"tp": 2, "pp": 2, "sequence_parallel": True},

@@ -8,15 +8,11 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 import torch
 from torch import Tensor, nn
 
-from mega_models import GPTModel, finalize_model_grads, zigzag_split
+from mega_models import GPTModel, finalize_model_grads, gpt_forward_step
 from mega_moe import MoELayer, update_expert_biases
 from mega_parallel_grid import ProcessGroups
 from mega_pipeline import (
-    DataIterator,
-    LossFunc,
-    LossOutput,
     P2PCommunicator,
-    StageChunk,
     broadcast_losses,
     get_forward_backward_func,
 )
@@ -59,7 +55,8 @@ class StepRunner:
         self.built, self.groups, self.device = built, groups, device
         self.model = nn.ModuleList(built.chunks)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
-        self.cp, self.cp_rank = groups.size("cp"), groups.rank("cp")
+        self.cp = groups.size("cp")
+        self._forward_step = gpt_forward_step(groups.cp, device)
         self.pp = groups.size("pp")
         vpp = len(built.chunks) if len(built.chunks) > 1 else None
         self.schedule = get_forward_backward_func(self.pp, vpp)
@@ -73,23 +70,6 @@ class StepRunner:
             if self.pp > 1
             else None
         )
-
-    def _forward_step(self, data: DataIterator, chunk: StageChunk) -> tuple[Tensor, LossFunc]:
-        assert data is not None
-        tokens, labels = next(data)
-        tokens = zigzag_split(tokens, self.cp, self.cp_rank, dim=1).to(
-            self.device, non_blocking=True
-        )
-        labels = zigzag_split(labels, self.cp, self.cp_rank, dim=1).to(
-            self.device, non_blocking=True
-        )
-        out = chunk(tokens, labels=labels)
-
-        def loss_func(per_token: Tensor) -> LossOutput:
-            loss = per_token.float().mean()
-            return loss, {"loss": loss.detach()}
-
-        return out, loss_func
 
     def _set_aux_loss_scale(self, num_microbatches: int) -> None:
         """The router losses' gradient: the language-model loss's weight in backward.

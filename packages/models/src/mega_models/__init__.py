@@ -4,6 +4,7 @@ the Hugging Face bridge for dense Llama-family checkpoints."""
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention, zigzag_positions, zigzag_split
 from mega_models.flops import forward_flops_per_token, matmul_params, model_flops_per_token
+from mega_models.forward_step import gpt_forward_step
 from mega_models.gpt import GPTModel
 from mega_models.grads import finalize_model_grads
 from mega_models.hf import (
@@ -46,6 +47,7 @@ __all__ = [
     "forward_flops_per_token",
     "gather_full_state",
     "gpt_config_from_hf",
+    "gpt_forward_step",
     "hf_config_from_gpt",
     "hybrid_config",
     "hybrid_flops_per_token",
