@@ -197,6 +197,8 @@ def _killed_save(run_dir: str) -> None:
             save_checkpoint(root, 2, a.built, a.groups, a.state())
     finally:
         save_module._commit = commit
+    # the kill skipped the commit's barrier: wait for rank 0 to finish writing meta.json
+    dist.barrier()
     ckpts = root / "checkpoints"
     assert (ckpts / "step_00000002.tmp" / "meta.json").is_file()
     assert not (ckpts / "step_00000002").exists()

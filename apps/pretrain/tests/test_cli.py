@@ -112,3 +112,19 @@ def test_default_command_runs_and_loss_falls(tmp_path: Path) -> None:
     latest = (run / "checkpoints/latest").read_text().strip()
     shown = _run(["inspect", str(run / "checkpoints" / latest)], tmp_path)
     assert shown.returncode == 0 and "layers.0.attention.qkv.weight" in shown.stdout
+
+
+def test_hybrid_model_trains_from_the_cli(tmp_path: Path) -> None:
+    """A Mamba + attention pattern from the command line (issue: `--model.pattern`)."""
+    done = _run(["--model.size", "hybrid-tiny", "--model.pattern", "M*-M", "--train.steps", "3",
+                 "--train.log_interval", "1", "--train.seq_len", "32", "--run.tensorboard", "false",
+                 "--run.name", "hybrid"], tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    records = [
+        json.loads(x) for x in (tmp_path / "runs/hybrid/metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    bad = _run(
+        ["--model.size", "hybrid-tiny", "--cp", "2", "--dry-run", "--world-size", "2"], tmp_path
+    )
+    assert bad.returncode == 2 and "not supported for hybrid (Mamba) models" in bad.stderr

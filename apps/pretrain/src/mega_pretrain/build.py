@@ -8,14 +8,36 @@ from typing import Any
 import torch
 from torch import nn
 
-from mega_models import GPTConfig, GPTModel, model_config, stage_spec
+from mega_models import (
+    HYBRID_SIZES,
+    GPTConfig,
+    GPTModel,
+    HybridConfig,
+    HybridModel,
+    hybrid_config,
+    hybrid_flops_per_token,
+    model_config,
+    model_flops_per_token,
+    stage_spec,
+)
 from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 from mega_pretrain.config import TrainerConfig
 from mega_tp_layers import RNGStatesTracker, tp_rng_tracker
 from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, DynamicLossScaler
 
-__all__ = ["Built", "build", "gpt_config", "parallel_config", "param_dtype"]
+__all__ = [
+    "Built",
+    "ModelChunk",
+    "build",
+    "flops_per_token",
+    "gpt_config",
+    "parallel_config",
+    "param_dtype",
+]
+
+#: One pipeline chunk of a GPT or of a hybrid (Mamba + attention) model.
+ModelChunk = GPTModel | HybridModel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -28,7 +50,7 @@ class Built:
     ``expert_ddp``, which reduces the expert weights' over the expert data-parallel group.
     """
 
-    chunks: list[GPTModel]
+    chunks: list[ModelChunk]
     ddp: DistributedDataParallel
     optimizer: DistributedOptimizer
     rng: RNGStatesTracker
@@ -46,8 +68,20 @@ def parallel_config(config: TrainerConfig) -> ParallelConfig:
 
 
 def gpt_config(config: TrainerConfig) -> GPTConfig:
-    """The registered size with the config's overrides applied."""
-    return model_config(config.model.size).replace(**config.model.overrides)
+    """The registered size with the config's overrides applied (a HybridConfig for hybrid sizes
+    or when ``model.pattern`` is given)."""
+    size, overrides = config.model.size, config.model.overrides
+    if size in HYBRID_SIZES or "pattern" in overrides:
+        base = hybrid_config(size) if size in HYBRID_SIZES else hybrid_config("hybrid-tiny")
+        return base.replace(**overrides)
+    return model_config(size).replace(**overrides)
+
+
+def flops_per_token(model: GPTConfig, seq_len: int) -> float:
+    """Model FLOPs per token (forward + backward) of the model as built, for MFU."""
+    if isinstance(model, HybridConfig):
+        return hybrid_flops_per_token(model, seq_len)
+    return model_flops_per_token(model, seq_len)
 
 
 def param_dtype(config: TrainerConfig) -> torch.dtype:
@@ -60,15 +94,17 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     p, t = config.parallel, config.train
     pp, vpp = groups.size("pp"), p.vpp
     rng = tp_rng_tracker(t.seed, groups.tp, device)
-    chunks = [
-        GPTModel(
-            model, groups,
-            stage=stage_spec(model.num_layers, pp, groups.rank("pp"), vpp, chunk),
-            sequence_parallel=p.sequence_parallel, cp_method=p.cp_method,
-            recompute=t.recompute, seed=t.seed, rng=rng, device=device, dtype=param_dtype(config),
-        )
-        for chunk in range(vpp or 1)
-    ]  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "sequence_parallel": p.sequence_parallel, "recompute": t.recompute, "seed": t.seed,
+        "rng": rng, "device": device, "dtype": param_dtype(config),
+    }  # fmt: skip
+    chunks: list[ModelChunk] = []
+    for index in range(vpp or 1):
+        stage = stage_spec(model.num_layers, pp, groups.rank("pp"), vpp, index)
+        if isinstance(model, HybridConfig):
+            chunks.append(HybridModel(model, groups, stage=stage, **kwargs))
+        else:
+            chunks.append(GPTModel(model, groups, stage=stage, cp_method=p.cp_method, **kwargs))
     if t.compile:
         for chunk in chunks:
             for layer in chunk.layers.values():

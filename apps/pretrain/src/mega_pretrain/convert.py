@@ -16,7 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mega_models import gather_full_state, gpt_config_from_hf, load_hf_weights, save_hf_checkpoint
+from mega_models import (
+    GPTModel,
+    gather_full_state,
+    gpt_config_from_hf,
+    load_hf_weights,
+    save_hf_checkpoint,
+)
 from mega_parallel_grid import init_process_groups
 from mega_pretrain.build import build, gpt_config, parallel_config
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -56,6 +62,7 @@ def from_hf(hf_dir: Path, run_dir: Path, overrides: list[tuple[str, str]]) -> Pa
     groups, device = _start(config)
     built = build(config, groups, device)
     for chunk in built.chunks:
+        assert isinstance(chunk, GPTModel)  # the bridge maps GPT (Llama-family) models
         load_hf_weights(chunk, hf_dir)
     built.optimizer.reload_model_params()
     state = {
@@ -105,7 +112,12 @@ def to_hf(run_or_checkpoint: Path, out_dir: Path, overrides: list[tuple[str, str
     groups, device = _start(config)
     built = build(config, groups, device)
     load_checkpoint(source, built, groups)
-    state = gather_full_state(built.chunks, groups.pp)
+    chunks = [c for c in built.chunks if isinstance(c, GPTModel)]
+    if len(chunks) != len(built.chunks):
+        raise ValueError(
+            "only GPT (Llama-family) models convert to Hugging Face; this run is a hybrid model"
+        )
+    state = gather_full_state(chunks, groups.pp)
     if dist.get_rank() == 0 and groups.rank("dp") == 0:
         assert state is not None
         save_hf_checkpoint(state, out_dir, config=gpt_config(config))

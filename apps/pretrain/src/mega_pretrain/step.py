@@ -8,7 +8,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 import torch
 from torch import Tensor, nn
 
-from mega_models import GPTModel, finalize_model_grads, gpt_forward_step
+from mega_models import finalize_model_grads, gpt_forward_step
 from mega_moe import MoELayer, update_expert_biases
 from mega_parallel_grid import ProcessGroups
 from mega_pipeline import (
@@ -85,7 +85,7 @@ class StepRunner:
             layer.aux_loss_scale = scale
 
     def _run(self, batches: Sequence[Microbatch], forward_only: bool) -> Tensor:
-        chunks: list[GPTModel] = self.built.chunks
+        chunks = self.built.chunks
         ddps = self.built.ddps
 
         @contextmanager

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mega_models import GPTConfig, model_flops_per_token
+from mega_models import GPTConfig, GPTModel
 from mega_parallel_grid import init_process_groups
-from mega_pretrain.build import build, gpt_config, parallel_config, param_dtype
+from mega_pretrain.build import build, flops_per_token, gpt_config, parallel_config, param_dtype
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mega_pretrain.config import TrainerConfig, config_to_dict
 from mega_pretrain.data import (
@@ -129,7 +129,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
         DistributedBatchSampler(len(train_set), consumed, t.micro_batch_size, dp_rank, dp)
     )
     peak = peak_tflops(device, config.run.peak_tflops)
-    flops_token = model_flops_per_token(model, t.seq_len)
+    flops_token = flops_per_token(model, t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
     first_step, losses, stopped_by, saved = step, [], None, None
     console.print(
@@ -176,7 +176,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                     record["mfu"] = tflops / peak
                 if device.type == "cuda":
                     record["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                record.update(moe_log_values(built.chunks, groups))  # collective; {} when dense
+                gpt_chunks = [c for c in built.chunks if isinstance(c, GPTModel)]  # hybrids: no MoE
+                record.update(moe_log_values(gpt_chunks, groups))  # collective; {} when dense
                 metrics.log(step, record)
                 losses.append(value)
                 eta = (t.steps - step) * elapsed / window_steps

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mega_models import GPTConfig
+from mega_models import GPTConfig, HybridConfig
 from mega_parallel_grid import ParallelConfig, RankLayout
 from mega_pretrain.config import TrainerConfig
 
@@ -57,6 +57,8 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             raise ValueError(
                 f"model.{label} ({count}) is not divisible by tp ({p.tp}); choose tp dividing {count}"
             )
+    if isinstance(model, HybridConfig) and p.cp > 1:
+        raise ValueError(f"cp ({p.cp}) > 1 is not supported for hybrid (Mamba) models; use cp = 1")
     stages = p.pp * (p.vpp or 1)
     if model.num_layers % stages:
         raise ValueError(
