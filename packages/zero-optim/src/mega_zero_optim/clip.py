@@ -23,7 +23,6 @@ class ShardMetadata(Protocol):
     @property
     def duplicate(self) -> bool:
         """True when another rank holds the same values and counts them."""
-        ...
 
 
 def counts_in_norm(param: torch.Tensor) -> bool:

@@ -20,12 +20,10 @@ class TokenSource(Protocol):
 
     def __len__(self) -> int:
         """Number of documents."""
-        ...
 
     @property
     def num_tokens(self) -> int:
         """Tokens in all documents together."""
-        ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -33,20 +31,16 @@ class TokenSource(Protocol):
     @property
     def eod_id(self) -> int | None:
         """The id that ends each document, or None when none was appended."""
-        ...
 
     @property
     def doc_offsets(self) -> npt.NDArray[np.int64]:
         """Where each document starts in the concatenation, and where the last ends: ``[len + 1]``."""
-        ...
 
     def doc(self, i: int) -> npt.NDArray[Any]:
         """Token ids of document ``i``."""
-        ...
 
     def tokens(self, start: int, length: int) -> npt.NDArray[Any]:
         """``length`` ids of the concatenation of all documents, from ``start``."""
-        ...
 
 
 class DocumentSubset:

@@ -29,20 +29,16 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int:
         """Number of token ids (every id is in ``range(vocab_size)``)."""
-        ...
 
     @property
     def eod_id(self) -> int:
         """The id appended after each document."""
-        ...
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without any special token."""
-        ...
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; the end-of-document id decodes to nothing."""
-        ...
 
 
 class ByteTokenizer:
