@@ -181,9 +181,9 @@ def test_config_errors() -> None:
         "pattern 'M*X-' has unknown layer letters 'X'; use 'M' Mamba-2 mixer, "
         "'*' self-attention, '-' MLP, 'E' mixture of experts"
     )
-    assert _raises(ValueError, lambda: config(pattern="M*E-")) == (
-        "pattern 'M*E-' has an MoE layer at position 2; MoE layers in hybrid patterns need "
-        "mega-moe integration (not built yet)"
+    assert _raises(ValueError, lambda: config(pattern="M*E-")) == (  # more in test_hybrid_moe
+        "pattern 'M*E-' has an MoE layer at position 2 but num_experts is 0; set num_experts "
+        "(and moe_top_k) or use '-' for a dense MLP"
     )
     assert _raises(ValueError, lambda: config(pattern="M*M-", num_layers=6)) == (
         "pattern 'M*M-' has 4 layers but num_layers is 6; make them equal"

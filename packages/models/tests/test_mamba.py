@@ -137,3 +137,17 @@ def test_groups_not_divisible_by_tp(dist_pool: DistPool) -> None:
         assert message == (
             "mamba_num_groups (1) is not divisible by tp (2); choose tp dividing 1 or more groups"
         )
+
+
+def _chunk_edges() -> None:
+    # sequences of exactly one chunk, of less than one, and of one chunk plus one step
+    for seq, chunk in ((5, 5), (3, 5), (6, 5), (8, 8)):
+        config = small(mamba_chunk_size=chunk)
+        mixer = Mamba2Mixer(config, tp_group=solo_groups().tp, seed=3, dtype=torch.float64)
+        x = torch.randn(seq, BATCH, config.hidden_size, dtype=torch.float64)
+        # fp64, same operations reordered: agreement to ~1e-15 of values of O(1)
+        torch.testing.assert_close(mixer(x), reference(mixer, config, x), rtol=1e-10, atol=1e-12)
+
+
+def test_mixer_at_chunk_edges(dist_pool: DistPool) -> None:
+    dist_pool.run(_chunk_edges, 1)

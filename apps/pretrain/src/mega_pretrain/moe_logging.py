@@ -7,14 +7,16 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mega_models import GPTModel
+from mega_models import GPTModel, HybridModel
 from mega_moe import MoELayer
 from mega_parallel_grid import ProcessGroups
 
 __all__ = ["moe_log_values"]
 
 
-def moe_log_values(chunks: Sequence[GPTModel], groups: ProcessGroups) -> dict[str, float]:
+def moe_log_values(
+    chunks: Sequence[GPTModel | HybridModel], groups: ProcessGroups
+) -> dict[str, float]:
     """Router loss and per-expert load of the last micro-batch, over the whole model.
 
     Call it on every rank after a training step (one all-reduce over the world; nothing

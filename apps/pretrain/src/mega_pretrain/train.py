@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mega_models import GPTConfig, GPTModel
+from mega_models import GPTConfig, GPTModel, HybridModel
 from mega_parallel_grid import init_process_groups
 from mega_pretrain.build import build, flops_per_token, gpt_config, parallel_config, param_dtype
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -176,8 +176,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                     record["mfu"] = tflops / peak
                 if device.type == "cuda":
                     record["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                gpt_chunks = [c for c in built.chunks if isinstance(c, GPTModel)]  # hybrids: no MoE
-                record.update(moe_log_values(gpt_chunks, groups))  # collective; {} when dense
+                model_chunks = [c for c in built.chunks if isinstance(c, (GPTModel, HybridModel))]
+                record.update(moe_log_values(model_chunks, groups))  # collective; {} when dense
                 metrics.log(step, record)
                 losses.append(value)
                 eta = (t.steps - step) * elapsed / window_steps

@@ -1,4 +1,4 @@
-"""HybridModel: a decoder whose layers (Mamba-2, attention, MLP) follow a pattern string."""
+"""HybridModel: a decoder whose layers (Mamba-2, attention, MLP, MoE) follow a pattern string."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from mega_models.attention import SelfAttention
 from mega_models.head import Embedding, embed, lm_head, make_head, mark_tied_copy
 from mega_models.hybrid_config import HybridConfig
-from mega_models.layer import rng_checkpoint_contexts
+from mega_models.layer import moe_mlp, rng_checkpoint_contexts
 from mega_models.mamba import Mamba2Mixer
 from mega_models.mlp import MLP
 from mega_models.norms import Norm
@@ -29,13 +29,19 @@ from mega_tp_layers import (
 __all__ = ["HybridLayer", "HybridModel"]
 
 Recompute = Literal["none", "selective", "full"]
-_MIXER_NAMES = {"M": "mamba", "*": "attention", "-": "mlp"}
+_MIXER_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "mlp"}
 
 
 class HybridLayer(nn.Module):
     """``x + f(norm(x))`` on ``[s(/tp), b, h]``, ``f`` a Mamba-2 mixer (``M``),
-    self-attention (``*``) or an MLP (``-``); the module is called ``mamba``, ``attention``
-    or ``mlp`` accordingly."""
+    self-attention (``*``), an MLP (``-``) or a :class:`mega_moe.MoELayer` (``E``); the
+    module is called ``mamba``, ``attention`` or ``mlp`` (both ``-`` and ``E``, as in
+    GPT's layers) accordingly.
+
+    An ``E`` layer is built exactly as GPT's MoE layers are: experts over ``ep_group`` /
+    ``etp_group``, router losses as shares over ``tp_cp_group`` (default ``tp_group``)
+    entering backward through its output with gradient ``mlp.aux_loss_scale``.
+    """
 
     def __init__(
         self,
@@ -47,6 +53,9 @@ class HybridLayer(nn.Module):
         sequence_parallel: bool,
         recompute_core: bool = False,
         rng: RNGStatesTracker | None = None,
+        ep_group: ProcessGroup | None = None,
+        etp_group: ProcessGroup | None = None,
+        tp_cp_group: ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -63,6 +72,10 @@ class HybridLayer(nn.Module):
             mixer = SelfAttention(c, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sp,
                                   recompute_core=recompute_core, rng=rng, device=device,
                                   dtype=dtype)  # fmt: skip
+        elif kind == "E":
+            mixer = moe_mlp(c, tp_group=tp_group, sequence_parallel=sp, ep_group=ep_group,
+                            etp_group=etp_group, tp_cp_group=tp_cp_group, device=device,
+                            dtype=dtype)  # fmt: skip
         else:
             assert kind == "-", kind  # HybridConfig validated the pattern
             mixer = MLP(c, tp_group=tp_group, sequence_parallel=sp, device=device, dtype=dtype)
@@ -96,6 +109,8 @@ class HybridModel(nn.Module):
     pattern positions (``stage_spec(len(pattern), ...)``) and name their layers by global
     index, so every layout draws the same full weights from ``(seed, parameter name)``.
     Embedding, final norm and output layer are GPTModel's, under the same names.
+    ``E`` layers put their experts over ``groups.ep`` / ``groups.etp`` (expert parameters
+    carry mega-moe's expert metadata, see :func:`mega_moe.expert_shard`).
     Context parallelism is not supported (a Mamba scan needs the whole sequence).
     ``recompute="selective"`` recomputes the attention cores and the SSD scans in backward,
     ``"full"`` every layer.
@@ -154,8 +169,9 @@ class HybridModel(nn.Module):
             self.embedding = Embedding(c, groups.tp, sp, meta, dtype)  # tied: summed over pp
         layer_kw: dict[str, Any] = {"tp_group": groups.tp, "cp_group": groups.cp,
                                     "sequence_parallel": sp, "recompute_core":
-                                    recompute == "selective", "rng": rng, "device": meta,
-                                    "dtype": dtype}  # fmt: skip
+                                    recompute == "selective", "rng": rng, "ep_group": groups.ep,
+                                    "etp_group": groups.etp, "tp_cp_group": groups.tp_cp,
+                                    "device": meta, "dtype": dtype}  # fmt: skip
         self.layers = nn.ModuleDict(
             {str(i): HybridLayer(c.pattern[i], c, **layer_kw) for i in self.stage.layers}
         )

@@ -23,14 +23,19 @@ LAYER_KINDS: dict[str, str] = {
 class HybridConfig(GPTConfig):
     """A pre-norm decoder whose layers follow ``pattern``, one letter a layer.
 
-    ``M`` is a Mamba-2 mixer, ``*`` self-attention, ``-`` an MLP (each ``x + f(norm(x))``);
-    ``E`` (mixture of experts) is reserved. The GPT fields size the attention and MLP
+    ``M`` is a Mamba-2 mixer, ``*`` self-attention, ``-`` an MLP, ``E`` a mixture of
+    experts (each ``x + f(norm(x))``). The GPT fields size the attention, MLP and MoE
     layers, the embedding and the output; ``num_layers`` must equal ``len(pattern)``
     (``replace(pattern=...)`` sets it from the pattern when it is not given).
+
+    The ``E`` letters alone say which layers are MoE: GPT's ``moe_layer_freq`` and
+    ``moe_layer_pattern`` do not apply and must keep their defaults (1 and None). A
+    pattern with an ``E`` needs ``num_experts > 0``, and ``num_experts > 0`` needs an
+    ``E``; the other ``moe_*`` fields set up the experts and the router as for GPT.
     """
 
     pattern: str = "M*M-"
-    """Layer kinds in order: ``M`` Mamba-2, ``*`` attention, ``-`` MLP."""
+    """Layer kinds in order: ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` MoE."""
     mamba_state_dim: int = 16
     """State channels per group (``d_state``, N)."""
     mamba_head_dim: int = 16
@@ -57,6 +62,17 @@ class HybridConfig(GPTConfig):
     """Bias in the depthwise convolution."""
 
     def __post_init__(self) -> None:
+        # before GPT's MoE checks, which would read moe_layer_pattern as the MoE layers
+        if self.moe_layer_pattern is not None:
+            raise ValueError(
+                f"moe_layer_pattern ({self.moe_layer_pattern!r}) does not apply to hybrid "
+                "models; leave it None and mark the MoE layers with 'E' in pattern"
+            )
+        if self.moe_layer_freq != 1:
+            raise ValueError(
+                f"moe_layer_freq ({self.moe_layer_freq!r}) does not apply to hybrid models; "
+                "leave it at 1 and mark the MoE layers with 'E' in pattern"
+            )
         super().__post_init__()
         p = self.pattern
         if not isinstance(p, str) or not p:
@@ -68,10 +84,15 @@ class HybridConfig(GPTConfig):
                 f"pattern {p!r} has unknown layer letters {', '.join(map(repr, unknown))}; "
                 f"use {known}"
             )
-        if "E" in p:
+        if "E" in p and self.num_experts == 0:
             raise ValueError(
-                f"pattern {p!r} has an MoE layer at position {p.index('E')}; MoE layers in "
-                "hybrid patterns need mega-moe integration (not built yet)"
+                f"pattern {p!r} has an MoE layer at position {p.index('E')} but num_experts "
+                "is 0; set num_experts (and moe_top_k) or use '-' for a dense MLP"
+            )
+        if "E" not in p and self.num_experts > 0:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) is set but pattern {p!r} has no MoE "
+                "layer; put an 'E' in the pattern or set num_experts to 0"
             )
         if len(p) != self.num_layers:
             raise ValueError(
@@ -115,6 +136,10 @@ class HybridConfig(GPTConfig):
     def mamba_num_heads(self) -> int:
         """Mamba heads: inner width / head dim."""
         return self.mamba_inner // self.mamba_head_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (global, from 0) is an MoE layer: ``pattern[index] == 'E'``."""
+        return self.pattern[index] == "E"
 
     def count(self, kind: str) -> int:
         """How many layers of one kind (a pattern letter) the model has."""

@@ -5,15 +5,35 @@ from __future__ import annotations
 import math
 
 from mega_models.hybrid_config import HybridConfig
+from mega_moe import moe_activated_params
 
-__all__ = ["hybrid_flops_per_token", "hybrid_matmul_params", "ssd_flops_per_token"]
+__all__ = [
+    "hybrid_activated_matmul_params",
+    "hybrid_flops_per_token",
+    "hybrid_matmul_params",
+    "ssd_flops_per_token",
+]
+
+
+def _ffn_params(config: HybridConfig, ffn: int) -> int:
+    return (3 if config.activation == "swiglu" else 2) * config.hidden_size * ffn
+
+
+def _moe_params(config: HybridConfig) -> int:
+    """Matmul weights of one ``E`` layer: router, every routed expert, shared experts."""
+    c = config
+    routed = c.num_experts * _ffn_params(c, c.moe_ffn_size)
+    return c.hidden_size * c.num_experts + routed + _ffn_params(c, c.moe_shared_expert_size)
 
 
 def hybrid_matmul_params(config: HybridConfig) -> int:
     """Weights that take part in matmuls: every layer's linear weights plus the output layer.
 
     A Mamba layer has ``in_proj`` (``h x (2 d_inner + 2 g N + heads)``) and ``out_proj``
-    (``d_inner x h``); attention and MLP layers are GPT's. The input embedding is a lookup.
+    (``d_inner x h``); attention and MLP layers are GPT's; an ``E`` layer counts its router,
+    every routed expert and the shared experts (the weights the model holds; see
+    :func:`hybrid_activated_matmul_params` for those a token passes through). The input
+    embedding is a lookup.
     """
     c = config
     h = c.hidden_size
@@ -21,8 +41,20 @@ def hybrid_matmul_params(config: HybridConfig) -> int:
                  + c.mamba_num_heads) + c.mamba_inner * h  # fmt: skip
     attention = h * (c.num_attention_heads + 2 * c.kv_heads) * c.head_dim
     attention += c.num_attention_heads * c.head_dim * h
-    mlp = (3 if c.activation == "swiglu" else 2) * h * c.ffn_size
-    return c.count("M") * mamba + c.count("*") * attention + c.count("-") * mlp + h * c.vocab_size
+    mlp = _ffn_params(c, c.ffn_size)
+    return (c.count("M") * mamba + c.count("*") * attention + c.count("-") * mlp
+            + c.count("E") * _moe_params(c) + h * c.vocab_size)  # fmt: skip
+
+
+def hybrid_activated_matmul_params(config: HybridConfig) -> int:
+    """Matmul weights one token passes through: as :func:`hybrid_matmul_params`, but an
+    ``E`` layer counts only its router, the top-k routed experts and the shared experts."""
+    c = config
+    total = hybrid_matmul_params(c)
+    if not c.count("E"):
+        return total
+    activated = moe_activated_params(c.hidden_size, c.moe_config())
+    return total - c.count("E") * (_moe_params(c) - activated)
 
 
 def ssd_flops_per_token(config: HybridConfig, seq_len: int) -> float:
@@ -53,14 +85,17 @@ def ssd_flops_per_token(config: HybridConfig, seq_len: int) -> float:
 def hybrid_flops_per_token(config: HybridConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token (3 x forward), for MFU.
 
-    Forward = ``2 * hybrid_matmul_params`` + per attention layer ``4 s heads head_dim``
-    (QK^T and AV over the full s x s, as for GPT) + per Mamba layer the SSD
-    (:func:`ssd_flops_per_token`) and the depthwise conv (``2 d_conv (d_inner + 2 g N)``).
-    Element-wise work (norms, gates, softplus, exp of the decays) is not counted.
+    Forward = ``2 * hybrid_activated_matmul_params`` (on ``E`` layers only the router, the
+    top-k routed experts and the shared experts, as for GPT; no dropping or padding) + per
+    attention layer ``4 s heads head_dim`` (QK^T and AV over the full s x s, as for GPT) +
+    per Mamba layer the SSD (:func:`ssd_flops_per_token`) and the depthwise conv
+    (``2 d_conv (d_inner + 2 g N)``). Element-wise work (norms, gates, softplus, exp of
+    the decays, the routers' softmax and the weighted combine) is not counted.
     """
     c = config
     attention = 4.0 * seq_len * c.num_attention_heads * c.head_dim
     conv = 2.0 * c.mamba_conv_width * (c.mamba_inner + 2 * c.mamba_num_groups * c.mamba_state_dim)
     mamba = ssd_flops_per_token(c, seq_len) + conv
-    forward = 2.0 * hybrid_matmul_params(c) + c.count("*") * attention + c.count("M") * mamba
+    forward = (2.0 * hybrid_activated_matmul_params(c) + c.count("*") * attention
+               + c.count("M") * mamba)  # fmt: skip
     return 3.0 * forward

@@ -13,6 +13,14 @@ HYBRID_SIZES: dict[str, HybridConfig] = {
         num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128, max_seq_len=256,
         mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2, mamba_chunk_size=16,
     ),
+    # CPU MoE: hybrid-tiny with its two MLP layers made Mixtral-style mixtures of experts
+    # (8 experts of FFN 64, top-2: top-k logits, then softmax; switch aux loss).
+    "hybrid-moe-tiny": HybridConfig(
+        vocab_size=257, hidden_size=64, num_layers=8, pattern="M*MEM*ME",
+        num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128, max_seq_len=256,
+        mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2, mamba_chunk_size=16,
+        num_experts=8, moe_top_k=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2,
+    ),
     # Beside the GPT "1b" size (same width, vocab, attention and MLP shapes): 15 Mamba,
     # 5 attention and 15 MLP layers, ~1.0B parameters besides the embeddings.
     "hybrid-1b": HybridConfig(

@@ -18,7 +18,7 @@ from mega_models.norms import Norm
 from mega_moe import MoELayer
 from mega_tp_layers import Normal, RNGStatesTracker, ScaledNormal
 
-__all__ = ["TransformerLayer", "rng_checkpoint_contexts"]
+__all__ = ["TransformerLayer", "moe_mlp", "rng_checkpoint_contexts"]
 
 
 def rng_checkpoint_contexts(
@@ -53,6 +53,33 @@ def rng_checkpoint_contexts(
         return forward(), recompute()
 
     return contexts
+
+
+def moe_mlp(
+    config: GPTConfig,
+    *,
+    tp_group: ProcessGroup,
+    sequence_parallel: bool,
+    ep_group: ProcessGroup | None,
+    etp_group: ProcessGroup | None,
+    tp_cp_group: ProcessGroup | None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> MoELayer:
+    """The :class:`mega_moe.MoELayer` that stands in for the MLP of an MoE layer.
+
+    Experts over ``ep_group`` / ``etp_group``; router losses as shares over ``tp_cp_group``
+    (default ``tp_group``); the same init as the dense MLP (output side scaled by depth).
+    """
+    c = config
+    return MoELayer(
+        c.hidden_size, c.moe_config(), ep_group=ep_group, etp_group=etp_group,
+        tp_group=tp_group, sequence_parallel=sequence_parallel,
+        sequence_group=tp_group if tp_cp_group is None else tp_cp_group,
+        init_method=Normal(c.init_std),
+        output_init_method=ScaledNormal(c.init_std, c.num_layers),
+        device=device, dtype=dtype,
+    )  # fmt: skip
 
 
 class TransformerLayer(nn.Module):
@@ -94,13 +121,9 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = Norm(c.hidden_size, c.norm, c.norm_eps, **norm_kw)
         self.mlp: MLP | MoELayer
         if c.is_moe_layer(layer_index):
-            self.mlp = MoELayer(
-                c.hidden_size, c.moe_config(), ep_group=ep_group, etp_group=etp_group,
-                tp_group=tp_group, sequence_parallel=sequence_parallel,
-                sequence_group=tp_group if tp_cp_group is None else tp_cp_group,
-                init_method=Normal(c.init_std),
-                output_init_method=ScaledNormal(c.init_std, c.num_layers),
-                device=device, dtype=dtype,
+            self.mlp = moe_mlp(
+                c, tp_group=tp_group, sequence_parallel=sequence_parallel, ep_group=ep_group,
+                etp_group=etp_group, tp_cp_group=tp_cp_group, device=device, dtype=dtype,
             )  # fmt: skip
         else:
             self.mlp = MLP(

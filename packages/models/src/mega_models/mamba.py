@@ -167,7 +167,7 @@ class Mamba2Mixer(KeepsParamAttrs):
         else:
             y = self._scan(x, dt, B, C)
         assert isinstance(y, Tensor)
-        gated = y.view(s, b, g, w) * F.silu(z)  # norm(y * silu(z)), per group of channels
+        gated = y.reshape(s, b, g, w) * F.silu(z)  # norm(y * silu(z)), per group of channels
         normed = F.rms_norm(gated, (w,), eps=self.eps) * self.norm_weight.view(g, w)
         out: Tensor = self.out_proj(normed.view(s, b, g * w))  # -> [s(/tp), b, h]
         return out
