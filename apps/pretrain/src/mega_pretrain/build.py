@@ -16,6 +16,7 @@ from mega_models import (
     HybridModel,
     hybrid_config,
     hybrid_flops_per_token,
+    lm_head,
     model_config,
     model_flops_per_token,
     stage_spec,
@@ -109,6 +110,10 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         for chunk in chunks:
             for layer in chunk.layers.values():
                 layer.compile()
+            if chunk.stage.last and groups.size("tp") == 1:
+                # norm, output projection and loss in one graph: the fp32 logits are never
+                # written out (at tp > 1 the vocabulary-parallel loss runs eagerly)
+                chunk.head_fn = torch.compile(lm_head)
     # A tied embedding split over pp has one copy on each end stage, at different places in
     # the two stages' gradient buffers; after a reduce-scatter each dp rank would hold
     # different parts of them, so such models all-reduce gradients (state stays sharded).

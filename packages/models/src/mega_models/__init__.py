@@ -7,6 +7,7 @@ from mega_models.flops import forward_flops_per_token, matmul_params, model_flop
 from mega_models.forward_step import gpt_forward_step
 from mega_models.gpt import GPTModel
 from mega_models.grads import finalize_model_grads
+from mega_models.head import lm_head
 from mega_models.hf import (
     HF_ARCHITECTURES,
     gather_full_state,
@@ -52,6 +53,7 @@ __all__ = [
     "hybrid_config",
     "hybrid_flops_per_token",
     "hybrid_matmul_params",
+    "lm_head",
     "load_hf_weights",
     "matmul_params",
     "model_config",

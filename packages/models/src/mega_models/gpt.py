@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -96,6 +97,7 @@ class GPTModel(nn.Module):
             )
             for i in self.stage.layers
         })  # fmt: skip
+        self.head_fn: Callable[..., Tensor] = lm_head  # build() may compile it
         self.final_norm: Norm | None = None
         self.output: ColumnParallelLinear | None = None
         if self.stage.last:
@@ -147,7 +149,7 @@ class GPTModel(nn.Module):
             out: Tensor = hidden
             return out
         assert self.final_norm is not None
-        return lm_head(
+        return self.head_fn(
             hidden, labels, final_norm=self.final_norm, output=self.output,
             tied_weight=self.embedding.word.weight if self.embedding is not None else None,
             tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,

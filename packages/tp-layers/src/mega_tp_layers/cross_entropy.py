@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 from torch.distributed import ProcessGroup
@@ -120,6 +121,15 @@ def vocab_parallel_cross_entropy(
         )
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing ({label_smoothing}) must lie in [0, 1]")
+    if held == logits_shard.shape[-1]:
+        # one rank holds the whole vocabulary: the library's fused kernel, which the
+        # compiler can also fuse with the output projection (no fp32 copy of the logits)
+        full = logits_shard[..., :vocab_size].float()
+        flat = F.cross_entropy(
+            full.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index,
+            reduction="none", label_smoothing=float(label_smoothing),
+        )  # fmt: skip
+        return flat.view(targets.shape)
     loss: Tensor = _VocabParallelCrossEntropy.apply(
         logits_shard, targets, tp_group, float(label_smoothing), ignore_index, vocab_size
     )

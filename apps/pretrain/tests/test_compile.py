@@ -1,0 +1,44 @@
+"""``train.compile``: compiled layers and head train like the eager model (CPU, fp32)."""
+
+from __future__ import annotations
+
+import torch
+
+from mega_models import lm_head
+from mega_parallel_grid import init_process_groups
+from mega_parallel_grid.testing import DistPool, rank_device
+from mega_pretrain.build import build, gpt_config, parallel_config
+from mega_pretrain.config import load_config
+from mega_pretrain.step import StepRunner
+
+SEQ, MICRO, STEPS = 16, 2, 2
+
+
+def _losses(compile_: bool) -> tuple[list[float], bool]:
+    config = load_config(None, [("model.size", "tiny"), ("model.num_layers", "2"),
+                                ("train.seq_len", str(SEQ)), ("train.micro_batch_size", str(MICRO)),
+                                ("train.global_batch_size", str(MICRO)),
+                                ("train.compile", str(compile_).lower())])  # fmt: skip
+    model = gpt_config(config)
+    groups = init_process_groups(parallel_config(config))
+    dev = rank_device()
+    built = build(config, groups, dev)
+    head_compiled = built.chunks[0].head_fn is not lm_head
+    runner = StepRunner(built, groups, seq_len=SEQ, micro_batch_size=MICRO,
+                        hidden_size=model.hidden_size, dtype=torch.float32, device=dev,
+                        sequence_parallel=False)  # fmt: skip
+    tokens = torch.randint(
+        0, model.vocab_size, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(0)
+    )
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    losses = [float(runner.train_step(batch, 1e-3)[0]) for _ in range(STEPS)]
+    torch._dynamo.reset()
+    return losses, head_compiled
+
+
+def test_compiled_model_trains_like_eager(dist_pool: DistPool) -> None:
+    [(eager, eager_head)] = dist_pool.run(_losses, 1, args=(False,))
+    [(compiled, compiled_head)] = dist_pool.run(_losses, 1, args=(True,))
+    assert not eager_head and compiled_head
+    # fp32: the compiler fuses and reorders the same arithmetic (e.g. RMSNorm's sum)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-5)
