@@ -85,6 +85,7 @@ CASES = {
     "no_overlap": Case(overlap_grad_reduce=False, microbatches=2),
     "param_gather_overlap": Case(overlap_param_gather=True, bucket_size=300),
     "sgd_momentum": Case(optimizer="sgd", max_grad_norm=0.05),
+    "fused_clipping": Case(optimizer="adamw_fused", max_grad_norm=0.05, microbatches=2),
     "sum": Case(grad_reduce="sum"),
     "all_reduce": Case(use_distributed_optimizer=False, bucket_size=300),
 }
@@ -99,6 +100,7 @@ def _make_optimizer(kind: str, params: list[nn.Parameter]) -> torch.optim.Optimi
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=1e-2,
         eps=1e-4,
+        fused=kind == "adamw_fused",  # clipping then rides in the kernel's grad_scale
     )
 
 

@@ -47,6 +47,7 @@ class ParamAndGradBuffer:
         numel = cuts[-1].end
         self.param_data = torch.zeros(numel, dtype=self.param_dtype, device=self.device)
         self.grad_data = torch.zeros(numel, dtype=grad_dtype, device=self.device)
+        self._holding: set[int] = set()  # indices whose view got a gradient this step
         self.main_grads: list[torch.Tensor] = []
         for p, r in zip(self.params, self.ranges, strict=True):
             view = self.param_data[r.start : r.end].view(p.shape)
@@ -94,5 +95,14 @@ class ParamAndGradBuffer:
     def zero_grad(self) -> None:
         """Zero the gradient buffer and await every gradient again."""
         self.grad_data.zero_()
+        self._holding.clear()
         for bucket in self.buckets:
             bucket.reset()
+
+    def holds_grad(self, index: int) -> bool:
+        """Whether parameter ``index``'s view got a gradient since the last :meth:`zero_grad`."""
+        return index in self._holding
+
+    def mark_holds_grad(self, index: int) -> None:
+        """Record that parameter ``index``'s view holds a gradient (later ones add to it)."""
+        self._holding.add(index)

@@ -176,7 +176,11 @@ class DistributedDataParallel(nn.Module):
                         "the last microbatch's backward inside no_sync()"
                     )
             if param.grad is not None:
-                main_grad.add_(param.grad, alpha=self.grad_scale)
+                if self.grad_scale == 1.0 and not buffer.holds_grad(index):
+                    main_grad.copy_(param.grad)  # the step's first: no need to read the zeros
+                else:
+                    main_grad.add_(param.grad, alpha=self.grad_scale)
+                buffer.mark_holds_grad(index)
                 param.grad = None
             if self._sync_enabled and self.overlap_grad_reduce:
                 for bucket in buckets:

@@ -101,6 +101,8 @@ class DistributedOptimizer:
                 f"max_grad_norm ({max_grad_norm}) must be positive; use None to disable clipping"
             )
         self.optimizer = optimizer
+        # fused torch optimizers apply a grad_scale tensor inside their kernel
+        self._fused = all(bool(g.get("fused")) for g in optimizer.param_groups)
         self.ddps = [ddp] if isinstance(ddp, DistributedDataParallel) else list(ddp)
         self.max_grad_norm = max_grad_norm
         self.grad_norm_group = grad_norm_group
@@ -216,11 +218,22 @@ class DistributedOptimizer:
                 self._raise_nonfinite(norm)
             self._drop_grads()
             return StepResult(False, norm, scale)
+        coefficient = 1.0
         if self.max_grad_norm is not None:
             coefficient = clip_coefficient(norm, self.max_grad_norm)
-            for g in grads:
-                g.mul_(coefficient)
-        self.optimizer.step()
+        if coefficient < 1.0 and self._fused:
+            # the fused kernel divides each gradient by grad_scale as it reads it: clipping
+            # costs no extra pass over the gradients
+            self.optimizer.grad_scale = torch.tensor(  # type: ignore[attr-defined]
+                1.0 / coefficient, dtype=torch.float32, device=self._device
+            )
+        elif coefficient < 1.0:
+            torch._foreach_mul_(grads, coefficient)
+        try:
+            self.optimizer.step()
+        finally:
+            if hasattr(self.optimizer, "grad_scale"):
+                del self.optimizer.grad_scale
         self._drop_grads()
         for shard in self._shards:
             if shard.master.data_ptr() != shard.bucket.param_shard.data_ptr():
