@@ -227,7 +227,7 @@ def test_config_from_hf_fields(checkpoints: dict[str, tuple[Path, Any, Any]]) ->
     assert (llama.norm_eps, llama.rope_theta) == (1e-5, ROPE_THETA)
     assert not llama.tie_embeddings and not llama.add_bias
     qwen = gpt_config_from_hf(checkpoints["qwen2"][0])
-    assert qwen.tie_embeddings and qwen.add_bias  # q/k/v biases; the others stay zero
+    assert qwen.tie_embeddings and qwen.qkv_bias and not qwen.add_bias  # q/k/v biases only
     # transformers 4.x layout: rope_theta at the top level, Mistral's window caps max_seq_len
     legacy = {
         "architectures": ["MistralForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
@@ -240,8 +240,12 @@ def test_config_from_hf_fields(checkpoints: dict[str, tuple[Path, Any, Any]]) ->
     # written back, it reads the same
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
         back = gpt_config_from_hf(hf_config_from_gpt(llama, arch))
-        assert back.replace(add_bias=False) == llama
-        assert back.add_bias == (arch == "Qwen2ForCausalLM")
+        assert back.replace(qkv_bias=False) == llama
+        assert back.qkv_bias == (arch == "Qwen2ForCausalLM")
+    # q/k/v biases alone: Qwen2 by default, Llama only through attention_bias (o_proj zero)
+    assert hf_config_from_gpt(qwen)["architectures"] == ["Qwen2ForCausalLM"]
+    as_llama = gpt_config_from_hf(hf_config_from_gpt(qwen, "LlamaForCausalLM"))
+    assert as_llama.add_bias and not as_llama.qkv_bias
 
 
 def test_layout_helpers_invert() -> None:
@@ -269,8 +273,8 @@ def test_bad_configs_fail_in_one_sentence(checkpoints: dict[str, tuple[Path, Any
         gpt_config_from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
     _one_sentence(err, "GPT2LMHeadModel", "not supported", "LlamaForCausalLM")
     with pytest.raises(ValueError) as err:
-        gpt_config_from_hf({**base, "architectures": ["MixtralForCausalLM"]})
-    _one_sentence(err, "MixtralForCausalLM", "mixture of experts")
+        gpt_config_from_hf({**base, "architectures": ["Qwen3MoeForCausalLM"]})
+    _one_sentence(err, "Qwen3MoeForCausalLM", "not supported", "MixtralForCausalLM")
     scaled = {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}
     with pytest.raises(ValueError) as err:
         gpt_config_from_hf(scaled)

@@ -1,5 +1,6 @@
-"""GPT models on every parallel dimension: tp (+SP), cp, pp stages; exact FLOPs for MFU;
-the Hugging Face bridge for dense Llama-family checkpoints."""
+"""GPT (dense and MoE) and hybrid Mamba-2 models on every parallel dimension: tp (+SP), cp,
+pp stages, ep; exact FLOPs for MFU; the Hugging Face bridge for Llama-family, Mixtral and
+Qwen2-MoE checkpoints."""
 
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention, zigzag_positions, zigzag_split

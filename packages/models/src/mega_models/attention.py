@@ -62,8 +62,9 @@ class SelfAttention(nn.Module):
                   "device": device, "dtype": dtype, "bias": c.add_bias}  # fmt: skip
         qkv_out = (c.num_attention_heads + 2 * c.kv_heads) * c.head_dim
         self.qkv = ColumnParallelLinear(
-            c.hidden_size, qkv_out, init_method=Normal(c.init_std), **common
-        )
+            c.hidden_size, qkv_out, init_method=Normal(c.init_std),
+            **{**common, "bias": c.add_bias or c.qkv_bias},
+        )  # fmt: skip
         self.proj = RowParallelLinear(
             c.num_attention_heads * c.head_dim, c.hidden_size,
             init_method=ScaledNormal(c.init_std, c.num_layers), **common,

@@ -47,6 +47,8 @@ class GPTConfig:
     """Share the input embedding with the output layer."""
     add_bias: bool = False
     """Biases in the linear layers."""
+    qkv_bias: bool = False
+    """A bias on the fused QKV projection only, none on the others (Qwen2); needs add_bias off."""
     hidden_dropout: float = 0.0
     """Dropout on the attention and MLP outputs before the residual add."""
     attention_dropout: float = 0.0
@@ -131,6 +133,11 @@ class GPTConfig:
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(
                 f"head dim ({self.head_dim}) must be even for rope; change hidden_size or heads"
+            )
+        if self.add_bias and self.qkv_bias:
+            raise ValueError(
+                "qkv_bias (True) asks for a bias on the QKV projection only, but add_bias (True) "
+                "already puts one on every linear; set one of them to false"
             )
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)

@@ -1,4 +1,11 @@
-"""Hugging Face bridge for dense Llama-family checkpoints (Llama 2/3, Mistral, Qwen2).
+"""Hugging Face bridge for Llama-family checkpoints and their mixtures of experts.
+
+Dense: Llama 2/3.0, Mistral, Qwen2 (q/k/v biases as ``GPTConfig.qkv_bias``). MoE: Mixtral
+and Qwen2-MoE (shared expert with its sigmoid gate, ``norm_topk_prob``,
+``decoder_sparse_step`` / ``mlp_only_layers``), with routers that compute what
+``transformers`` computes. Import reads each rank's shard (tp, ep, etp, pipeline stage)
+straight from the safetensors files; export gathers the full tensors and writes
+config.json and safetensors shards with an index.
 
 Needs the ``hf`` extra (``safetensors``); it is imported only when a file is read or written.
 """
@@ -6,6 +13,7 @@ Needs the ``hf`` extra (``safetensors``); it is imported only when a file is rea
 from mega_models.hf.config import (
     HF_ARCHITECTURES,
     HFLayout,
+    default_architecture,
     gpt_config_from_hf,
     hf_config_from_gpt,
     hf_layout,
@@ -16,23 +24,30 @@ from mega_models.hf.load import load_hf_weights
 from mega_models.hf.mapping import (
     TensorMap,
     fuse_qkv,
+    gpt_parameter_names,
     hf_tensor_names,
     interleave_gate_up,
     split_gate_up,
     split_qkv,
+    stack_grid,
     tensor_map,
+    unstack_grid,
 )
+from mega_models.hf.moe import MOE_ARCHITECTURES, routing_semantics
 from mega_models.hf.reader import SafetensorsReader
 from mega_models.hf.save import hf_state_dict, save_hf_checkpoint, write_safetensors
 
 __all__ = [
     "HF_ARCHITECTURES",
+    "MOE_ARCHITECTURES",
     "HFLayout",
     "SafetensorsReader",
     "TensorMap",
+    "default_architecture",
     "fuse_qkv",
     "gather_full_state",
     "gpt_config_from_hf",
+    "gpt_parameter_names",
     "hf_config_from_gpt",
     "hf_layout",
     "hf_state_dict",
@@ -40,9 +55,12 @@ __all__ = [
     "interleave_gate_up",
     "load_hf_weights",
     "read_hf_config",
+    "routing_semantics",
     "save_hf_checkpoint",
     "split_gate_up",
     "split_qkv",
+    "stack_grid",
     "tensor_map",
+    "unstack_grid",
     "write_safetensors",
 ]

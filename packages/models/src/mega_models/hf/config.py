@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` <-> :class:`GPTConfig` for dense Llama-family decoders.
+"""Hugging Face ``config.json`` <-> :class:`GPTConfig` for Llama-family decoders and their
+mixtures of experts (Mixtral, Qwen2-MoE; the expert keys are in :mod:`mega_models.hf.moe`).
 
 Pure dictionaries and dataclasses: no torch, no safetensors, no transformers. Both the
 ``transformers`` 4.x layout (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and the
@@ -15,23 +16,33 @@ from pathlib import Path
 from typing import Any
 
 from mega_models.config import GPTConfig
+from mega_models.hf.moe import (
+    MIXTRAL,
+    MOE_ARCHITECTURES,
+    QWEN2_MOE,
+    check_moe_export,
+    hf_moe_keys,
+    moe_fields_from_hf,
+)
 
 __all__ = [
     "HF_ARCHITECTURES",
     "HFLayout",
+    "default_architecture",
     "gpt_config_from_hf",
     "hf_config_from_gpt",
     "hf_layout",
     "read_hf_config",
 ]
 
-#: Dense architectures the bridge reads and writes, with their ``model_type``.
+#: Architectures the bridge reads and writes, with their ``model_type``.
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    MIXTRAL: "mixtral",
+    QWEN2_MOE: "qwen2_moe",
 }
-_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 HFSource = str | os.PathLike[str] | Mapping[str, Any]
 
@@ -41,18 +52,26 @@ class HFLayout:
     """Which Hugging Face architecture a checkpoint is, and which of its linears have biases."""
 
     architecture: str
-    """``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen2ForCausalLM``."""
+    """One of :data:`HF_ARCHITECTURES`."""
     qkv_bias: bool
-    """``q_proj``/``k_proj``/``v_proj`` have biases (Qwen2; Llama with ``attention_bias``)."""
+    """``q_proj``/``k_proj``/``v_proj`` have biases (Qwen2, Qwen2-MoE; Llama with
+    ``attention_bias``)."""
     proj_bias: bool
     """``o_proj`` has a bias (Llama with ``attention_bias``)."""
     mlp_bias: bool
     """``gate_proj``/``up_proj``/``down_proj`` have biases (Llama with ``mlp_bias``)."""
+    num_experts: int = 0
+    """Routed experts of each sparse layer (Mixtral, Qwen2-MoE); 0 for a dense model."""
 
     @property
     def any_bias(self) -> bool:
-        """True when the mega model needs ``add_bias`` (missing biases are then zero)."""
+        """True when some linear has a bias."""
         return self.qkv_bias or self.proj_bias or self.mlp_bias
+
+    @property
+    def add_bias(self) -> bool:
+        """The mega model needs ``add_bias`` (a bias beyond q/k/v; the missing ones are zero)."""
+        return self.proj_bias or self.mlp_bias
 
 
 def read_hf_config(source: HFSource) -> dict[str, Any]:
@@ -78,11 +97,6 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
     if name is None:
         by_type = {v: k for k, v in HF_ARCHITECTURES.items()}
         name = by_type.get(str(cfg.get("model_type")), f"model_type {cfg.get('model_type')!r}")
-    if name in _MOE:
-        raise ValueError(
-            f"architecture {name} is a mixture of experts, which the mega HF bridge does not "
-            f"convert yet; supported: {', '.join(HF_ARCHITECTURES)}"
-        )
     if name not in HF_ARCHITECTURES:
         raise ValueError(
             f"architecture {name} is not supported by the mega HF bridge; "
@@ -100,6 +114,13 @@ def hf_layout(source: HFSource) -> HFLayout:
     if arch == "LlamaForCausalLM":
         attn, mlp = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
         return HFLayout(arch, qkv_bias=attn, proj_bias=attn, mlp_bias=mlp)
+    if arch == QWEN2_MOE:  # transformers 4.x always builds the q/k/v biases; 5.x asks qkv_bias
+        experts = int(cfg.get("num_experts", 60))
+        qkv = bool(cfg.get("qkv_bias", True))
+        return HFLayout(arch, qkv_bias=qkv, proj_bias=False, mlp_bias=False, num_experts=experts)
+    if arch == MIXTRAL:
+        experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 8)))
+        return HFLayout(arch, qkv_bias=False, proj_bias=False, mlp_bias=False, num_experts=experts)
     return HFLayout(arch, qkv_bias=False, proj_bias=False, mlp_bias=False)
 
 
@@ -115,18 +136,20 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, str]:
 def _window(cfg: Mapping[str, Any], arch: str) -> int | None:
     """The sliding-attention window the checkpoint uses, or None."""
     window = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", QWEN2_MOE) and not cfg.get("use_sliding_window", False):
         return None
-    return int(window) if window is not None else None
+    return int(window) if window else None
 
 
 def gpt_config_from_hf(source: HFSource) -> GPTConfig:
     """The :class:`GPTConfig` of a Hugging Face checkpoint (its directory, config.json or dict).
 
-    Unsupported checkpoints fail in one sentence naming the value: an unknown or MoE
+    Unsupported checkpoints fail in one sentence naming the value: an unknown
     architecture, an activation other than SiLU, RoPE scaling, a head dim that is not
-    ``hidden_size / num_attention_heads``. A sliding-attention window caps ``max_seq_len``
-    (mega attends over the whole causal context, which is the same up to the window).
+    ``hidden_size / num_attention_heads``, a router setting mega's router lacks (Mixtral's
+    ``router_jitter_noise``). A sliding-attention window caps ``max_seq_len`` (mega attends
+    over the whole causal context, which is the same up to the window). Q/K/V-only biases
+    (Qwen2, Qwen2-MoE) give ``qkv_bias``; any other bias gives ``add_bias``.
     """
     cfg = read_hf_config(source)
     layout = hf_layout(cfg)
@@ -154,6 +177,7 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
     if window is not None:
         max_len = min(max_len, window)
     kv = cfg.get("num_key_value_heads")
+    moe = moe_fields_from_hf(cfg, arch) if arch in MOE_ARCHITECTURES else {}
     return GPTConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
@@ -168,9 +192,11 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
         rope_theta=theta,
         max_seq_len=max_len,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        add_bias=layout.any_bias,
+        add_bias=layout.add_bias,
+        qkv_bias=layout.qkv_bias and not layout.add_bias,
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
         init_std=float(cfg.get("initializer_range", 0.02)),
+        **moe,
     )
 
 
@@ -189,25 +215,45 @@ def check_convertible(config: GPTConfig) -> None:
             )
 
 
+def default_architecture(config: GPTConfig) -> str:
+    """The architecture ``config`` is written as when none is asked for.
+
+    Dense: ``Qwen2ForCausalLM`` with ``qkv_bias``, else ``LlamaForCausalLM``. MoE:
+    ``MixtralForCausalLM`` when every layer is MoE, without shared expert and without
+    ``qkv_bias``, else ``Qwen2MoeForCausalLM``.
+    """
+    if not config.is_moe:
+        return "Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM"
+    everywhere = len(config.moe_layers) == config.num_layers
+    if everywhere and not config.moe_shared_expert_size and not config.qkv_bias:
+        return MIXTRAL
+    return QWEN2_MOE
+
+
 def hf_config_from_gpt(
     config: GPTConfig,
-    architecture: str = "LlamaForCausalLM",
+    architecture: str | None = None,
     *,
     dtype: str = "float32",
     base: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``config.json`` dict of ``config`` as ``architecture``.
 
-    ``base`` (e.g. the config.json the model came from) keeps its other keys (token ids,
-    ``layer_types``...); the shape keys are overwritten. A Llama model with ``add_bias``
-    is written with ``attention_bias`` and ``mlp_bias``.
+    ``architecture`` defaults to :func:`default_architecture`. ``base`` (e.g. the
+    config.json the model came from) keeps its other keys (token ids, ``layer_types``,
+    the router's training keys...); the shape keys are overwritten. A Llama model with
+    ``add_bias`` is written with ``attention_bias`` and ``mlp_bias`` (``attention_bias``
+    alone for ``qkv_bias``). An MoE model needs an MoE architecture and settings it can
+    express, or this fails in one sentence naming the field.
     """
     check_convertible(config)
+    architecture = architecture or default_architecture(config)
     if architecture not in HF_ARCHITECTURES:
         raise ValueError(
             f"architecture {architecture} is not supported by the mega HF bridge; "
             f"supported: {', '.join(HF_ARCHITECTURES)}"
         )
+    check_moe_export(config, architecture)
     out: dict[str, Any] = dict(base) if base is not None else {}
     out.pop("rope_scaling", None)
     out.update({
@@ -232,13 +278,18 @@ def hf_config_from_gpt(
     })  # fmt: skip
     if architecture in ("LlamaForCausalLM", "MistralForCausalLM"):
         out["head_dim"] = config.head_dim
+    elif out.get("head_dim") is not None:  # the others derive it unless it is given
+        out["head_dim"] = config.head_dim
     if architecture == "LlamaForCausalLM":
-        out["attention_bias"] = config.add_bias
+        out["attention_bias"] = config.add_bias or config.qkv_bias
         out["mlp_bias"] = config.add_bias
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", MIXTRAL):
         out.setdefault("sliding_window", None)
     if architecture == "Qwen2ForCausalLM":
         out["use_sliding_window"] = False
         out["sliding_window"] = None
+    if architecture in ("Qwen2ForCausalLM", QWEN2_MOE):
         out["layer_types"] = ["full_attention"] * config.num_layers
+    if architecture in MOE_ARCHITECTURES:
+        out.update(hf_moe_keys(config, architecture, out))
     return out

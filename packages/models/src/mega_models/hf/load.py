@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import product
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mega_models.config import GPTConfig
 from mega_models.gpt import GPTModel
@@ -15,24 +17,40 @@ from mega_models.hf.mapping import (
     fuse_qkv,
     hf_shapes,
     interleave_gate_up,
+    stack_grid,
     tensor_map,
 )
+from mega_models.hf.moe import routing_semantics
 from mega_models.hf.reader import SafetensorsReader
-from mega_tp_layers import ShardSpec, shard_spec
+from mega_moe import TopKRouter, expert_shard
+from mega_tp_layers import shard_spec
 
 __all__ = ["load_hf_weights"]
 
-# fields that change the computed function (dropout, init and max_seq_len do not)
+# fields that change the computed function (dropout, init and max_seq_len do not; nor do
+# the MoE training settings: balancing losses, expert-bias updates, dispatcher, capacity)
 _MUST_MATCH = (
     "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "kv_heads", "ffn_size",
     "norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "tie_embeddings",
-    "add_bias",
+    "num_experts",
+)  # fmt: skip
+_MOE_MUST_MATCH = (
+    "moe_layers", "moe_top_k", "moe_ffn_size", "moe_shared_expert_size",
+    "moe_shared_expert_gate", "moe_scaling_factor", "moe_num_groups", "moe_group_topk",
 )  # fmt: skip
 
 
 def _check_config(mine: GPTConfig, theirs: GPTConfig, hf_dir: Path) -> None:
-    for field in _MUST_MATCH:
-        a, b = getattr(mine, field), getattr(theirs, field)
+    pairs = [(f, getattr(mine, f), getattr(theirs, f)) for f in _MUST_MATCH]
+    if theirs.is_moe and mine.is_moe:
+        pairs += [(f, getattr(mine, f), getattr(theirs, f)) for f in _MOE_MUST_MATCH]
+        pairs.append(("routing", routing_semantics(mine), routing_semantics(theirs)))
+    # the model may have more biases than the checkpoint (they are loaded as zeros)
+    if theirs.add_bias and not mine.add_bias:
+        pairs.append(("add_bias", mine.add_bias, theirs.add_bias))
+    if theirs.qkv_bias and not (mine.qkv_bias or mine.add_bias):
+        pairs.append(("qkv_bias", mine.qkv_bias, theirs.qkv_bias))
+    for field, a, b in pairs:
         if a != b:
             raise ValueError(
                 f"model config {field} ({a!r}) differs from the checkpoint's ({b!r}) in "
@@ -40,13 +58,25 @@ def _check_config(mine: GPTConfig, theirs: GPTConfig, hf_dir: Path) -> None:
             )
 
 
-def _row_range(spec: ShardSpec) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of the full tensor this shard holds (the whole dim if unsplit)."""
-    rows = spec.full_shape[0]
-    if spec.dim != 0:
-        return 0, rows
-    size = rows // spec.num_shards
-    return spec.shard_rank * size, (spec.shard_rank + 1) * size
+def _local_index(param: Tensor) -> tuple[slice, ...]:
+    """Where ``param``'s local tensor sits in the full mega tensor (all experts, no etp cut)."""
+    shard = expert_shard(param)
+    if shard is None:
+        spec = shard_spec(param)
+        assert spec is not None
+        return spec.local_slice
+    per = [slice(None)] * len(shard.expert_shape)
+    size = shard.expert_shape[shard.etp_dim] // shard.etp
+    per[shard.etp_dim] = slice(shard.etp_rank * size, (shard.etp_rank + 1) * size)
+    if shard.stacked:  # [E/ep, ...]: this ep rank's experts
+        return (slice(shard.first_expert, shard.first_expert + shard.num_local), *per)
+    return tuple(per)
+
+
+def _rows(index: tuple[slice, ...], local_rows: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of the full tensor a local tensor of ``local_rows`` rows holds."""
+    start = index[0].start or 0
+    return start, start + local_rows
 
 
 class _ShardBuilder:
@@ -55,8 +85,11 @@ class _ShardBuilder:
     def __init__(self, reader: SafetensorsReader, config: GPTConfig) -> None:
         self.reader, self.config = reader, config
 
-    def check_shapes(self, tmap: TensorMap) -> None:
+    def check_shapes(self, tmap: TensorMap, only: Sequence[str] | None = None) -> None:
+        """Every HF tensor of ``tmap`` (or those in ``only``) has the shape the config says."""
         for name, want in zip(tmap.hf, hf_shapes(tmap, self.config), strict=True):
+            if only is not None and name not in only:
+                continue
             got = self.reader.shape(name)
             if got != want:
                 raise ValueError(
@@ -64,25 +97,45 @@ class _ShardBuilder:
                     f"{want}; the checkpoint does not match its config.json"
                 )
 
-    def build(self, tmap: TensorMap, spec: ShardSpec, dtype: torch.dtype) -> Tensor:
+    def build(
+        self, tmap: TensorMap, index: tuple[slice, ...], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Tensor:
+        """The local tensor of ``shape`` at ``index`` of the full mega tensor ``tmap`` makes."""
         if tmap.kind == "absent":
-            return torch.zeros(spec.local_shape, dtype=dtype)
+            return torch.zeros(shape, dtype=dtype)
+        if tmap.kind == "stack":
+            return self._stacked(tmap, index, dtype)
         self.check_shapes(tmap)
         if tmap.kind == "copy":
-            return self.reader.read(tmap.hf[0], spec.local_slice, dtype)
-        start, stop = _row_range(spec)
+            return self.reader.read(tmap.hf[0], index, dtype)
+        start, stop = _rows(index, shape[0])
         if tmap.kind == "vocab":
-            return self._vocab_rows(tmap.hf[0], start, stop, spec, dtype)
+            return self._vocab_rows(tmap.hf[0], start, stop, shape, dtype)
         if tmap.kind == "gate_up":
             assert start % 2 == 0 and stop % 2 == 0, "a shard splits a gate/up pair"
             gate, up = (self.reader.read_rows(n, start // 2, stop // 2, dtype) for n in tmap.hf)
             return interleave_gate_up(gate, up)
         return self._qkv_rows(tmap, start, stop, dtype)
 
+    def _stacked(self, tmap: TensorMap, index: tuple[slice, ...], dtype: torch.dtype) -> Tensor:
+        """Only the HF tensors of the picked grid cells (e.g. this rank's experts) are read."""
+        grid, lead = tmap.grid, len(tmap.grid)
+        picked = [range(n)[s] for n, s in zip(grid, index[:lead], strict=True)]
+        strides = [1] * lead
+        for d in range(lead - 2, -1, -1):
+            strides[d] = strides[d + 1] * grid[d + 1]
+        names = [
+            tmap.hf[sum(i * s for i, s in zip(cell, strides, strict=True))]
+            for cell in product(*picked)
+        ]
+        self.check_shapes(tmap, only=names)
+        pieces = [self.reader.read(name, index[lead:], dtype) for name in names]
+        return stack_grid(pieces, tuple(len(r) for r in picked))
+
     def _vocab_rows(
-        self, name: str, start: int, stop: int, spec: ShardSpec, dtype: torch.dtype
+        self, name: str, start: int, stop: int, shape: tuple[int, ...], dtype: torch.dtype
     ) -> Tensor:
-        out = torch.zeros(spec.local_shape, dtype=dtype)  # padding rows stay zero
+        out = torch.zeros(shape, dtype=dtype)  # padding rows stay zero
         real = min(stop, self.config.vocab_size)
         if real > start:
             out[: real - start] = self.reader.read_rows(name, start, real, dtype)
@@ -100,15 +153,24 @@ class _ShardBuilder:
         return fuse_qkv(q, k, v, g1 - g0)  # -> [(g1-g0)(n/kv + 2) d, ...]
 
 
+def _zero_expert_biases(model: nn.Module) -> None:
+    """Aux-loss-free routing biases start from zero: the checkpoint's routing."""
+    for module in model.modules():
+        if isinstance(module, TopKRouter) and module.expert_bias is not None:
+            module.expert_bias.zero_()
+
+
 def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
     """Copy a Hugging Face checkpoint into ``model``'s parameters (this rank's shards only).
 
-    ``model`` may be any tp shard and any pipeline stage (or virtual chunk) of a GPTModel
-    whose config equals ``gpt_config_from_hf(hf_dir)`` in every field that changes the
-    computed function. Only the safetensors files that hold this stage's tensors are
-    opened, and only this shard's rows (columns for row-parallel weights) are read.
-    No communication. Fails in one sentence naming the tensor on a missing shard file,
-    a missing tensor or a shape mismatch.
+    ``model`` may be any tp shard, any expert-parallel (ep, etp) shard and any pipeline
+    stage (or virtual chunk) of a GPTModel whose config equals ``gpt_config_from_hf(hf_dir)``
+    in every field that changes the computed function (it may have biases the checkpoint
+    lacks: they are loaded as zeros). Only the safetensors files that hold this stage's
+    tensors are opened, and only this rank's experts and rows (columns for row-parallel
+    weights) are read. The routers' aux-loss-free biases, if any, are zeroed. No
+    communication. Fails in one sentence naming the tensor on a missing shard file, a
+    missing tensor (an expert's included) or a shape mismatch.
     """
     path = Path(hf_dir)
     cfg = read_hf_config(path)
@@ -117,10 +179,12 @@ def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
     with SafetensorsReader(path) as reader:
         builder = _ShardBuilder(reader, model.config)
         for name, param in model.named_parameters():
-            spec = shard_spec(param)
-            if spec is None:
+            if shard_spec(param) is None:
                 raise ValueError(f"parameter {name} has no shard spec; build it with GPTModel")
-            local = builder.build(tensor_map(name, layout), spec, param.dtype)
-            assert tuple(local.shape) == tuple(param.shape), (name, local.shape, param.shape)
+            shape = tuple(param.shape)
+            local = builder.build(tensor_map(name, layout), _local_index(param), shape, param.dtype)
+            assert tuple(local.shape) == shape, (name, local.shape, shape)
             with torch.no_grad():
                 param.copy_(local)
+    with torch.no_grad():
+        _zero_expert_biases(model)

@@ -1,12 +1,18 @@
 """Names and layouts: which Hugging Face tensors make each GPTModel parameter, and how.
 
-Pure tensor arithmetic, no files. Three layouts differ between the two sides:
+Pure tensor arithmetic, no files. Four layouts differ between the two sides:
 
 * ``qkv`` — HF keeps ``q_proj``, ``k_proj``, ``v_proj``; mega fuses them grouped by KV
   head (for each group: its query heads, its key head, its value head).
 * ``gate_up`` — HF keeps ``gate_proj`` and ``up_proj``; mega's SwiGLU ``fc1`` interleaves
   their rows one by one (gate_0, up_0, gate_1, up_1, ...).
 * ``vocab`` — mega pads the vocabulary rows to a multiple of tp with zeros.
+* ``stack`` — HF keeps one tensor per expert and per projection (Mixtral
+  ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2`` (down), Qwen2-MoE
+  ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``); mega stacks them in
+  leading dimensions: GroupedMLP ``weight1 [E, 2, f, h]`` (gate, then up) and ``weight2
+  [E, h, f]``, a SequentialMLP expert's or the shared expert's ``weight1 [2, f, h]``.
+  ``TensorMap.grid`` gives the leading dimensions; the HF names fill it row-major.
 
 RoPE needs no permutation: HF-format Llama weights already use the rotate-half
 convention that :func:`mega_models.rope.apply_rope` uses.
@@ -15,6 +21,7 @@ convention that :func:`mega_models.rope.apply_rope` uses.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,17 +34,21 @@ from mega_models.hf.config import HFLayout
 __all__ = [
     "TensorMap",
     "fuse_qkv",
+    "gpt_parameter_names",
     "hf_shapes",
     "hf_tensor_names",
     "interleave_gate_up",
     "split_gate_up",
     "split_qkv",
+    "stack_grid",
     "tensor_map",
+    "unstack_grid",
 ]
 
-Kind = Literal["copy", "vocab", "qkv", "gate_up", "absent"]
+Kind = Literal["copy", "vocab", "qkv", "gate_up", "stack", "absent"]
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(weight[12])")
 _HF_LAYER = "model.layers.{i}."
 _PER_LAYER: dict[str, tuple[Kind, tuple[str, ...]]] = {
     "input_norm.weight": ("copy", ("input_layernorm.weight",)),
@@ -65,15 +76,36 @@ _TOP: dict[str, tuple[Kind, tuple[str, ...]]] = {
 
 
 @dataclass(frozen=True)
+class _ExpertNames:
+    """Where an MoE architecture keeps its sparse block's tensors, inside ``model.layers.i.``."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+    shared: bool
+
+
+_EXPERT_NAMES = {
+    "MixtralForCausalLM": _ExpertNames("block_sparse_moe", "w1", "w3", "w2", shared=False),
+    "Qwen2MoeForCausalLM": _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared=True),
+}
+
+
+@dataclass(frozen=True)
 class TensorMap:
     """How one GPTModel parameter is made of Hugging Face tensors."""
 
     mega: str
     """The parameter's name in ``GPTModel.named_parameters()``."""
     kind: Kind
-    """``copy``, ``vocab`` (padded rows), ``qkv``, ``gate_up``, or ``absent`` (zero in mega)."""
+    """``copy``, ``vocab`` (padded rows), ``qkv``, ``gate_up``, ``stack``, or ``absent``
+    (zero in mega)."""
     hf: tuple[str, ...]
     """The Hugging Face tensor names, in the order the kind fuses them (empty if absent)."""
+    grid: tuple[int, ...] = ()
+    """For ``stack``: the leading dimensions of the mega tensor the HF tensors fill
+    (row-major), e.g. ``(E, 2)`` for GroupedMLP's ``weight1``."""
 
 
 def _has_bias(suffix: str, layout: HFLayout) -> bool:
@@ -84,23 +116,83 @@ def _has_bias(suffix: str, layout: HFLayout) -> bool:
     return layout.mlp_bias
 
 
+def _no_counterpart(mega_name: str, layout: HFLayout) -> ValueError:
+    return ValueError(
+        f"parameter {mega_name} has no Hugging Face counterpart in {layout.architecture}; "
+        "only GPTModels with rmsnorm, swiglu, rope and no qk_norm convert, MoE layers as "
+        "MixtralForCausalLM or Qwen2MoeForCausalLM (shared experts as the latter)"
+    )
+
+
+def _expert_map(mega_name: str, suffix: str, prefix: str, layout: HFLayout) -> TensorMap:
+    """The :class:`TensorMap` of a router, expert or shared-expert parameter."""
+    names = _EXPERT_NAMES.get(layout.architecture)
+    experts = layout.num_experts
+    if names is None or experts < 1:
+        raise _no_counterpart(mega_name, layout)
+    block = f"{prefix}{names.block}."
+
+    def expert(e: int, which: str) -> str:
+        return f"{block}experts.{e}.{which}.weight"
+
+    if suffix == "mlp.router.weight":
+        return TensorMap(mega_name, "copy", (f"{block}gate.weight",))
+    if suffix == "mlp.experts.weight1":
+        hf = tuple(expert(e, w) for e in range(experts) for w in (names.gate, names.up))
+        return TensorMap(mega_name, "stack", hf, (experts, 2))
+    if suffix == "mlp.experts.weight2":
+        hf = tuple(expert(e, names.down) for e in range(experts))
+        return TensorMap(mega_name, "stack", hf, (experts,))
+    local = _LOCAL_EXPERT.fullmatch(suffix)
+    if local is not None and int(local.group(1)) < experts:
+        e = int(local.group(1))
+        if local.group(2) == "weight1":
+            return TensorMap(mega_name, "stack", (expert(e, names.gate), expert(e, names.up)), (2,))
+        return TensorMap(mega_name, "copy", (expert(e, names.down),))
+    shared = f"{prefix}mlp.shared_expert."
+    if names.shared and suffix == "mlp.shared_experts.weight1":
+        hf = (f"{shared}gate_proj.weight", f"{shared}up_proj.weight")
+        return TensorMap(mega_name, "stack", hf, (2,))
+    if names.shared and suffix == "mlp.shared_experts.weight2":
+        return TensorMap(mega_name, "copy", (f"{shared}down_proj.weight",))
+    if names.shared and suffix == "mlp.shared_experts.gate_weight":
+        return TensorMap(mega_name, "copy", (f"{prefix}mlp.shared_expert_gate.weight",))
+    raise _no_counterpart(mega_name, layout)
+
+
 def tensor_map(mega_name: str, layout: HFLayout) -> TensorMap:
     """The :class:`TensorMap` of one GPTModel parameter name (global layer index)."""
     if mega_name in _TOP:
         kind, hf = _TOP[mega_name]
         return TensorMap(mega_name, kind, hf)
     match = _LAYER.fullmatch(mega_name)
-    if match is None or match.group(2) not in _PER_LAYER:
-        raise ValueError(
-            f"parameter {mega_name} has no Hugging Face counterpart; only GPTModels with "
-            "rmsnorm, swiglu, rope and no qk_norm convert"
-        )
+    if match is None:
+        raise _no_counterpart(mega_name, layout)
     layer, suffix = match.groups()
+    prefix = _HF_LAYER.format(i=layer)
+    if suffix not in _PER_LAYER:
+        return _expert_map(mega_name, suffix, prefix, layout)
     kind, hf = _PER_LAYER[suffix]
     if suffix.endswith(".bias") and not _has_bias(suffix, layout):
         return TensorMap(mega_name, "absent", ())
-    prefix = _HF_LAYER.format(i=layer)
     return TensorMap(mega_name, kind, tuple(prefix + name for name in hf))
+
+
+def _expert_shape(suffix: str, c: GPTConfig) -> tuple[int, ...] | None:
+    """The full mega shape of a router / expert / shared-expert parameter (SwiGLU: 2 rows)."""
+    h, e, f, fs = c.hidden_size, c.num_experts, c.moe_ffn_size, c.moe_shared_expert_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "mlp.router.weight": (e, h),
+        "mlp.experts.weight1": (e, 2, f, h),
+        "mlp.experts.weight2": (e, h, f),
+        "mlp.shared_experts.weight1": (2, fs, h),
+        "mlp.shared_experts.weight2": (h, fs),
+        "mlp.shared_experts.gate_weight": (1, h),
+    }
+    local = _LOCAL_EXPERT.fullmatch(suffix)
+    if local is not None:
+        return (2, f, h) if local.group(2) == "weight1" else (h, f)
+    return shapes.get(suffix)
 
 
 def hf_shapes(tmap: TensorMap, config: GPTConfig) -> tuple[tuple[int, ...], ...]:
@@ -114,6 +206,9 @@ def hf_shapes(tmap: TensorMap, config: GPTConfig) -> tuple[tuple[int, ...], ...]
         return (rows,) if bias else (rows, cols)
 
     suffix = tmap.mega.split(".", 2)[-1] if tmap.mega.startswith("layers.") else tmap.mega
+    expert = _expert_shape(suffix, c)
+    if expert is not None:
+        return (expert[len(tmap.grid) :],) * len(tmap.hf)
     if tmap.kind == "vocab":
         return ((c.vocab_size, h),)
     if tmap.kind == "qkv":
@@ -127,18 +222,63 @@ def hf_shapes(tmap: TensorMap, config: GPTConfig) -> tuple[tuple[int, ...], ...]
     return ((h,),)  # norms and the row-parallel biases
 
 
+def _layer_names(config: GPTConfig, i: int, all_biases: bool) -> list[str]:
+    c, every = config, all_biases or config.add_bias
+    names = ["input_norm.weight", "attention.qkv.weight"]
+    names += ["attention.qkv.bias"] if every or c.qkv_bias else []
+    names += ["attention.proj.weight"] + (["attention.proj.bias"] if every else [])
+    names.append("mlp_norm.weight")
+    if not c.is_moe_layer(i):
+        names += ["mlp.fc1.weight", "mlp.fc2.weight"]
+        return names + (["mlp.fc1.bias", "mlp.fc2.bias"] if every else [])
+    names.append("mlp.router.weight")
+    if c.moe_grouped_experts:
+        names += ["mlp.experts.weight1", "mlp.experts.weight2"]
+    else:
+        names += [f"mlp.experts.local_experts.{e}.weight{w}" for e in range(c.num_experts)
+                  for w in (1, 2)]  # fmt: skip
+    if c.moe_shared_expert_size:
+        names += ["mlp.shared_experts.weight1", "mlp.shared_experts.weight2"]
+        names += ["mlp.shared_experts.gate_weight"] if c.moe_shared_expert_gate else []
+    return names
+
+
+def gpt_parameter_names(config: GPTConfig, *, all_biases: bool = False) -> list[str]:
+    """The full-model parameter names of a GPTModel of ``config`` (every expert once).
+
+    ``all_biases`` adds every bias a layer could have (those the model lacks included).
+    """
+    names = ["embedding.word.weight"]
+    for i in range(config.num_layers):
+        names += [f"layers.{i}.{s}" for s in _layer_names(config, i, all_biases)]
+    names.append("final_norm.weight")
+    if not config.tie_embeddings:
+        names.append("output.weight")
+    return names
+
+
 def hf_tensor_names(config: GPTConfig, layout: HFLayout) -> list[str]:
     """Every tensor a Hugging Face checkpoint of ``config`` holds, in file order."""
     names = ["model.embed_tokens.weight"]
-    for i in range(config.num_layers):
-        for suffix in _PER_LAYER:
-            tmap = tensor_map(f"layers.{i}.{suffix}", layout)
-            if tmap.kind != "absent":
-                names.extend(tmap.hf)
+    for name in gpt_parameter_names(config, all_biases=True):
+        if name not in _TOP:
+            tmap = tensor_map(name, layout)
+            names.extend(tmap.hf)
     names.append("model.norm.weight")
     if not config.tie_embeddings:
         names.append("lm_head.weight")
     return names
+
+
+def stack_grid(tensors: Sequence[Tensor], grid: tuple[int, ...]) -> Tensor:
+    """Equal-shaped tensors, row-major over ``grid`` -> one ``[*grid, *shape]`` tensor."""
+    return torch.stack(list(tensors)).reshape(*grid, *tensors[0].shape)
+
+
+def unstack_grid(full: Tensor, grid: tuple[int, ...]) -> list[Tensor]:
+    """The inverse of :func:`stack_grid`: contiguous tensors in row-major order."""
+    flat = full.reshape(-1, *full.shape[len(grid) :])  # [*grid, ...] -> [prod(grid), ...]
+    return [t.contiguous() for t in flat.unbind(0)]
 
 
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, kv_heads: int) -> Tensor:

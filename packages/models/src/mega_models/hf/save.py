@@ -15,12 +15,22 @@ from mega_models.gpt import GPTModel
 from mega_models.hf.config import (
     HFLayout,
     check_convertible,
+    default_architecture,
     hf_config_from_gpt,
     hf_layout,
     read_hf_config,
 )
 from mega_models.hf.gather import gather_full_state
-from mega_models.hf.mapping import hf_shapes, hf_tensor_names, split_gate_up, split_qkv, tensor_map
+from mega_models.hf.mapping import (
+    gpt_parameter_names,
+    hf_shapes,
+    hf_tensor_names,
+    split_gate_up,
+    split_qkv,
+    tensor_map,
+    unstack_grid,
+)
+from mega_models.hf.moe import MOE_ARCHITECTURES
 from mega_models.hf.reader import INDEX, SINGLE
 
 __all__ = ["hf_state_dict", "save_hf_checkpoint", "write_safetensors"]
@@ -29,22 +39,8 @@ __all__ = ["hf_state_dict", "save_hf_checkpoint", "write_safetensors"]
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 
 
-def _mega_names(config: GPTConfig, biases: bool) -> list[str]:
-    names = ["embedding.word.weight"]
-    for i in range(config.num_layers):
-        names += [f"layers.{i}.{s}" for s in ("input_norm.weight", "attention.qkv.weight",
-                  "attention.proj.weight", "mlp_norm.weight", "mlp.fc1.weight", "mlp.fc2.weight")]  # fmt: skip
-        if biases:
-            names += [f"layers.{i}.{s}" for s in ("attention.qkv.bias", "attention.proj.bias",
-                      "mlp.fc1.bias", "mlp.fc2.bias")]  # fmt: skip
-    names.append("final_norm.weight")
-    if not config.tie_embeddings:
-        names.append("output.weight")
-    return names
-
-
 def _check_names(state: Mapping[str, Tensor], config: GPTConfig) -> None:
-    expected = _mega_names(config, config.add_bias)
+    expected = gpt_parameter_names(config)
     unknown = sorted(set(state) - set(expected))
     if unknown:
         raise ValueError(
@@ -59,6 +55,15 @@ def _check_names(state: Mapping[str, Tensor], config: GPTConfig) -> None:
         )
 
 
+def _biased_architecture(name: str, layout: HFLayout) -> str:
+    """Where a bias the architecture of ``layout`` lacks can go."""
+    if not name.endswith("attention.qkv.bias"):
+        return "LlamaForCausalLM (attention_bias and mlp_bias)"
+    if layout.architecture in MOE_ARCHITECTURES:
+        return "Qwen2MoeForCausalLM"
+    return "Qwen2ForCausalLM, or LlamaForCausalLM with attention_bias"
+
+
 def _split(name: str, full: Tensor, config: GPTConfig, layout: HFLayout) -> dict[str, Tensor]:
     """The Hugging Face tensors of one full mega tensor."""
     tmap = tensor_map(name, layout)
@@ -66,13 +71,21 @@ def _split(name: str, full: Tensor, config: GPTConfig, layout: HFLayout) -> dict
         if bool(full.count_nonzero()):
             raise ValueError(
                 f"tensor {name} is not zero but {layout.architecture} has no such bias; "
-                "export as LlamaForCausalLM (attention_bias and mlp_bias)"
+                f"export as {_biased_architecture(name, layout)}"
             )
         return {}
     if tmap.kind == "qkv":
-        parts: tuple[Tensor, ...] = split_qkv(full, config.num_attention_heads, config.kv_heads)
+        parts: Sequence[Tensor] = split_qkv(full, config.num_attention_heads, config.kv_heads)
     elif tmap.kind == "gate_up":
         parts = split_gate_up(full)
+    elif tmap.kind == "stack":
+        if tuple(full.shape[: len(tmap.grid)]) != tmap.grid:
+            raise ValueError(
+                f"tensor {name} has shape {tuple(full.shape)} but the config needs "
+                f"{tmap.grid + hf_shapes(tmap, config)[0]}; pass the state of a GPTModel "
+                "built from the same GPTConfig"
+            )
+        parts = unstack_grid(full, tmap.grid)
     else:
         parts = (full,)
     out = {}
@@ -100,7 +113,7 @@ def hf_state_dict(
     _check_names(state, config)
     dtype = state["final_norm.weight"].dtype
     out: dict[str, Tensor] = {}
-    for name in _mega_names(config, biases=True):
+    for name in gpt_parameter_names(config, all_biases=True):
         if name in state:
             out.update(_split(name, state[name].detach(), config, layout))
             continue
@@ -171,11 +184,12 @@ def save_hf_checkpoint(
 ) -> list[str]:
     """Write a Hugging Face checkpoint (``config.json`` + safetensors) to ``out_dir``.
 
-    ``source`` is a GPTModel built unsplit (tp 1), a list of such models covering every
-    layer (pipeline stages or chunks built in this process), or a mapping of full
-    tensors as :func:`~mega_models.hf.gather_full_state` returns on the first rank of a
-    parallel run (then pass ``config``). ``architecture`` defaults to ``base_config``'s
-    (the original config.json, whose other keys are kept) or ``LlamaForCausalLM``.
+    ``source`` is a GPTModel built unsplit (tp, ep and etp 1), a list of such models
+    covering every layer (pipeline stages or chunks built in this process), or a mapping
+    of full tensors as :func:`~mega_models.hf.gather_full_state` returns on the first
+    rank of a parallel run (then pass ``config``). ``architecture`` defaults to
+    ``base_config``'s (the original config.json, whose other keys are kept), else to
+    :func:`~mega_models.hf.default_architecture` (Llama, Qwen2, Mixtral or Qwen2-MoE).
     ``dtype`` casts floating tensors. Returns the names of the files written. Local:
     call it on one rank.
     """
@@ -187,12 +201,12 @@ def save_hf_checkpoint(
         models = [source] if isinstance(source, GPTModel) else list(source)
         if not models:
             raise ValueError("save_hf_checkpoint got an empty list of models; pass every stage")
-        for model in models:
-            tp = model.groups.size("tp")
-            if tp != 1:
+        for model, dim in ((m, d) for m in models for d in ("tp", "ep", "etp")):
+            size = model.groups.size(dim)
+            if size != 1:
                 raise ValueError(
-                    f"model is split over tp ({tp}); call gather_full_state(model, pp_group) on "
-                    "every rank and pass its result from the first rank"
+                    f"model is split over {dim} ({size}); call gather_full_state(model, pp_group) "
+                    "on every rank and pass its result from the first rank"
                 )
         config = config if config is not None else models[0].config
         gathered = gather_full_state(models)
@@ -202,7 +216,7 @@ def save_hf_checkpoint(
     if base_config is not None:
         base = read_hf_config(base_config)
     arch = architecture or (
-        hf_layout(base).architecture if base is not None else "LlamaForCausalLM"
+        hf_layout(base).architecture if base is not None else default_architecture(config)
     )
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
