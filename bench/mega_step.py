@@ -3,6 +3,7 @@
     python3 bench/mega_step.py --size 1b-bench --mb 8 [--compile]      # one GPU
     torchrun --nproc-per-node 2 bench/mega_step.py --size 1b-bench --tp 2 --sp
     python3 bench/mega_step.py --smoke                                   # CPU, tiny
+    python3 bench/mega_step.py --size 1b-bench --mb 8 --fp8              # FP8 linear GEMMs
 
 Runs the trainer's own build (GPTModel, mega-zero-optim DDP + distributed optimizer with
 fp32 master weights and fused AdamW, bf16 parameters) and step (mega-pipeline schedule),
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="train.fp8 true (bf16 + FP8 GEMMs)")
     args = ap.parse_args()
     if args.smoke:
         args.size, args.mb, args.seq, args.steps, args.warmup = "tiny", 2, 64, 2, 1
@@ -61,7 +63,8 @@ def main() -> None:
         ("model.size", args.size), ("train.seq_len", str(args.seq)),
         ("train.micro_batch_size", str(args.mb)),
         ("train.global_batch_size", str(args.mb * args.accum * dp)),
-        ("train.precision", "bf16" if cuda else "fp32"), ("train.compile", str(args.compile).lower()),
+        ("train.precision", "bf16" if cuda or args.fp8 else "fp32"), ("train.fp8", str(args.fp8).lower()),
+        ("train.compile", str(args.compile).lower()),
         ("train.recompute", args.recompute), ("parallel.tp", str(args.tp)), ("parallel.pp", str(args.pp)),
         ("parallel.sequence_parallel", str(args.sp).lower()),
     ]  # fmt: skip
@@ -105,7 +108,8 @@ def main() -> None:
     flops = model_flops_per_token(model, args.seq)
     tok_s = tokens / (med / 1e3)
     result = {
-        "system": f"mega{'-compile' if args.compile else '-eager'}", "size": args.size, "mb": args.mb,
+        "system": f"mega{'-compile' if args.compile else '-eager'}{'-fp8' if args.fp8 else ''}",
+        "size": args.size, "mb": args.mb,
         "tp": args.tp, "pp": args.pp, "dp": dp, "sp": args.sp, "world": world,
         "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world, "step_ms_median": med,
         "step_ms_min": min(times), "step_ms_max": max(times), "flops_per_token": flops,

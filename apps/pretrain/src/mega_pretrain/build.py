@@ -24,7 +24,7 @@ from mega_models import (
 from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 from mega_pretrain.config import TrainerConfig
-from mega_tp_layers import RNGStatesTracker, tp_rng_tracker
+from mega_tp_layers import Fp8Recipe, RNGStatesTracker, tp_rng_tracker
 from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, DynamicLossScaler
 
 __all__ = [
@@ -103,9 +103,17 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     for index in range(vpp or 1):
         stage = stage_spec(model.num_layers, pp, groups.rank("pp"), vpp, index)
         if isinstance(model, HybridConfig):
+            if t.fp8:
+                raise ValueError(
+                    "train.fp8 is supported for GPT models only, not hybrid (Mamba) ones; "
+                    "turn fp8 off or choose a GPT size"
+                )
             chunks.append(HybridModel(model, groups, stage=stage, **kwargs))
         else:
-            chunks.append(GPTModel(model, groups, stage=stage, cp_method=p.cp_method, **kwargs))
+            chunks.append(GPTModel(
+                model, groups, stage=stage, cp_method=p.cp_method,
+                fp8=Fp8Recipe() if t.fp8 else None, **kwargs,
+            ))  # fmt: skip
     if t.compile:
         for chunk in chunks:
             for layer in chunk.layers.values():

@@ -95,6 +95,8 @@ class TrainConfig:
     """Seed of initialisation, data order and dropout."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Parameter/compute dtype; bf16/fp16 keep fp32 master weights."""
+    fp8: bool = False
+    """Run the transformer layers' linear GEMMs in FP8 (needs bf16; GPT models only)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     compile: bool = False

@@ -8,6 +8,11 @@ from mega_pretrain.config import TrainerConfig
 
 __all__ = ["check_config"]
 
+_FP8_HYBRID = (
+    "train.fp8 is supported for GPT models only, not hybrid (Mamba) ones; turn fp8 off "
+    "or choose a GPT size"
+)
+
 
 def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> RankLayout:
     """Raise ValueError (one sentence naming the values) for any inconsistent setting."""
@@ -57,6 +62,13 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             raise ValueError(
                 f"model.{label} ({count}) is not divisible by tp ({p.tp}); choose tp dividing {count}"
             )
+    if t.fp8 and t.precision != "bf16":
+        raise ValueError(
+            f"train.fp8 needs train.precision bf16, not {t.precision}; set train.precision bf16 "
+            "or turn fp8 off"
+        )
+    if t.fp8 and isinstance(model, HybridConfig):
+        raise ValueError(_FP8_HYBRID)
     if isinstance(model, HybridConfig) and p.cp > 1:
         raise ValueError(f"cp ({p.cp}) > 1 is not supported for hybrid (Mamba) models; use cp = 1")
     stages = p.pp * (p.vpp or 1)

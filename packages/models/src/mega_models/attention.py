@@ -16,6 +16,7 @@ from mega_models.norms import Norm
 from mega_models.rope import apply_rope
 from mega_tp_layers import (
     ColumnParallelLinear,
+    Fp8Recipe,
     Normal,
     RNGStatesTracker,
     RowParallelLinear,
@@ -46,6 +47,7 @@ class SelfAttention(nn.Module):
         rng: RNGStatesTracker | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -59,7 +61,7 @@ class SelfAttention(nn.Module):
         self.recompute_core = recompute_core
         self.rng = rng
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
-                  "device": device, "dtype": dtype, "bias": c.add_bias}  # fmt: skip
+                  "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8}  # fmt: skip
         qkv_out = (c.num_attention_heads + 2 * c.kv_heads) * c.head_dim
         self.qkv = ColumnParallelLinear(
             c.hidden_size, qkv_out, init_method=Normal(c.init_std),

@@ -19,6 +19,7 @@ from mega_models.stages import StageSpec, stage_spec
 from mega_parallel_grid import ProcessGroups
 from mega_tp_layers import (
     ColumnParallelLinear,
+    Fp8Recipe,
     RNGStatesTracker,
     init_parameters,
 )
@@ -38,7 +39,8 @@ class GPTModel(nn.Module):
     ``[b, s_local, vocab/tp]`` (this rank's vocabulary slice, padding included); other
     stages return their hidden state. Weights are built on the meta device, then
     materialised on ``device`` and drawn from ``(seed, parameter name)`` — with global
-    layer indices in the names — so every layout gets the same full weights.
+    layer indices in the names — so every layout gets the same full weights. ``fp8`` runs
+    the transformer layers' linear GEMMs in FP8; embedding and output head stay as they are.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class GPTModel(nn.Module):
         rng: RNGStatesTracker | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         tp, cp = groups.size("tp"), groups.size("cp")
@@ -93,7 +96,7 @@ class GPTModel(nn.Module):
                 c, tp_group=groups.tp, cp_group=groups.cp, sequence_parallel=sp,
                 cp_method=cp_method, recompute_core=recompute == "selective", rng=rng,
                 layer_index=i, ep_group=groups.ep, etp_group=groups.etp, tp_cp_group=groups.tp_cp,
-                device=meta, dtype=dtype,
+                device=meta, dtype=dtype, fp8=fp8,
             )
             for i in self.stage.layers
         })  # fmt: skip

@@ -16,7 +16,7 @@ from mega_models.config import GPTConfig
 from mega_models.mlp import MLP
 from mega_models.norms import Norm
 from mega_moe import MoELayer
-from mega_tp_layers import Normal, RNGStatesTracker, ScaledNormal
+from mega_tp_layers import Fp8Recipe, Normal, RNGStatesTracker, ScaledNormal
 
 __all__ = ["TransformerLayer", "moe_mlp", "rng_checkpoint_contexts"]
 
@@ -89,7 +89,8 @@ class TransformerLayer(nn.Module):
     :class:`mega_moe.MoELayer` over ``ep_group`` / ``etp_group``; its router losses are
     shares over ``tp_cp_group`` (the ranks holding parts of the same sequences) and enter
     backward through its output, with gradient ``mlp.aux_loss_scale`` (1 by default: the
-    loss is the language-model loss plus the router losses).
+    loss is the language-model loss plus the router losses). ``fp8`` runs the attention and
+    dense MLP GEMMs in FP8 (MoE experts stay in high precision).
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class TransformerLayer(nn.Module):
         tp_cp_group: ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -117,6 +119,7 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(
             c, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel,
             cp_method=cp_method, recompute_core=recompute_core, rng=rng, device=device, dtype=dtype,
+            fp8=fp8,
         )  # fmt: skip
         self.mlp_norm = Norm(c.hidden_size, c.norm, c.norm_eps, **norm_kw)
         self.mlp: MLP | MoELayer
@@ -128,7 +131,7 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = MLP(
                 c, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device,
-                dtype=dtype,
+                dtype=dtype, fp8=fp8,
             )  # fmt: skip
         self.hidden_dropout = c.hidden_dropout
         self.sequence_parallel = sequence_parallel

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from mega_models.config import GPTConfig
-from mega_tp_layers import ColumnParallelLinear, Normal, RowParallelLinear, ScaledNormal
+from mega_tp_layers import ColumnParallelLinear, Fp8Recipe, Normal, RowParallelLinear, ScaledNormal
 
 __all__ = ["MLP"]
 
@@ -31,12 +31,13 @@ class MLP(nn.Module):
         sequence_parallel: bool,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         c = config
         self.swiglu = c.activation == "swiglu"
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
-                  "device": device, "dtype": dtype, "bias": c.add_bias}  # fmt: skip
+                  "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8}  # fmt: skip
         width = 2 * c.ffn_size if self.swiglu else c.ffn_size
         self.fc1 = ColumnParallelLinear(
             c.hidden_size, width, init_method=Normal(c.init_std), **common

@@ -2,6 +2,18 @@
 
 from mega_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 from mega_tp_layers.embedding import VocabParallelEmbedding
+from mega_tp_layers.fp8 import (
+    FP8_ALIGNMENT,
+    Fp8Recipe,
+    Fp8Tensor,
+    fp8_gemm_fits,
+    fp8_gemm_supported,
+    fp8_linear,
+    fp8_linear_dgrad,
+    fp8_linear_forward,
+    fp8_linear_wgrad,
+    fp8_quantize,
+)
 from mega_tp_layers.grads import (
     SEQUENCE_PARALLEL_ATTR,
     mark_sequence_parallel,
@@ -47,6 +59,7 @@ from mega_tp_layers.vocab import padded_vocab_size, vocab_range
 
 __all__ = [
     "BACKENDS",
+    "FP8_ALIGNMENT",
     "INIT_ATTR",
     "SEQUENCE_PARALLEL_ATTR",
     "SHARD_ATTR",
@@ -54,6 +67,8 @@ __all__ = [
     "TP_SEED_OFFSET",
     "Backend",
     "ColumnParallelLinear",
+    "Fp8Recipe",
+    "Fp8Tensor",
     "InitMethod",
     "Normal",
     "PaddedRows",
@@ -68,6 +83,13 @@ __all__ = [
     "column_parallel_linear",
     "copy_to_tp_region",
     "fp8_autocast",
+    "fp8_gemm_fits",
+    "fp8_gemm_supported",
+    "fp8_linear",
+    "fp8_linear_dgrad",
+    "fp8_linear_forward",
+    "fp8_linear_wgrad",
+    "fp8_quantize",
     "gather_from_sequence_region",
     "gather_from_tp_region",
     "gather_full",

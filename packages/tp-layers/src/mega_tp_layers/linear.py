@@ -9,6 +9,10 @@ sequence (``[s/tp, b, h] -> [s, b, h]``) before its GEMM.
 
 In the column layer's backward the input-gradient all-reduce (or reduce-scatter) is
 issued asynchronously and overlapped with the weight-gradient GEMM.
+
+With ``fp8=Fp8Recipe()`` the forward, dgrad and wgrad GEMMs run in FP8 (``mega_tp_layers.fp8``);
+the collectives keep the activations' dtype. Scales are per rank: each rank quantises the
+tensors it holds (its weight shard; its gradient or input shard).
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ from mega_tp_layers._comm import (
     reduce_scatter_dim0,
 )
 from mega_tp_layers._params import ShardedModule, creation_generator
+from mega_tp_layers.fp8 import (
+    FP8_ALIGNMENT,
+    Fp8Recipe,
+    Fp8Tensor,
+    fp8_linear,
+    fp8_linear_dgrad,
+    fp8_linear_forward,
+    fp8_linear_wgrad,
+    shared_grad,
+)
 from mega_tp_layers.init import InitMethod, Normal, PaddedRows, Zeros
 from mega_tp_layers.mappings import (
     gather_from_tp_region,
@@ -56,24 +70,38 @@ class _ColumnParallelMatmul(Function):
         bias: Tensor | None,
         group: ProcessGroup,
         sequence_parallel: bool,
+        fp8: Fp8Recipe | None,
     ) -> Tensor:
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
+        ctx.fp8 = fp8
         ctx.save_for_backward(x, weight)  # under SP only the local slice is kept
         total = all_gather_dim0(x, group)[0] if sequence_parallel else x  # [s/tp,b,h] -> [s,b,h]
-        return F.linear(total, weight, bias)  # [s, b, h] -> [s, b, out/tp]
+        if fp8 is None:
+            return F.linear(total, weight, bias)  # [s, b, h] -> [s, b, out/tp]
+        out = fp8_linear_forward(
+            total, weight, fp8
+        )  # fp8 inputs are 2-D: [s*b, h] -> [s*b, out/tp]
+        return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        group, sp = ctx.group, ctx.sequence_parallel
+        group, sp, fp8 = ctx.group, ctx.sequence_parallel, ctx.fp8
         total, gather = x, None
         if sp and need_w:  # rebuild the gathered input, overlapped with the dgrad GEMM
             total, gather = all_gather_dim0(x, group, async_op=True)
+        grad_2d = grad.reshape(-1, grad.shape[-1])  # [s*b, out/tp]
+        g8: Tensor | Fp8Tensor = grad_2d
+        if fp8 is not None and (need_x or need_w):  # quantised once for dgrad and wgrad
+            g8 = shared_grad(grad_2d, weight.shape[1], fp8)
         grad_input, pending = None, None
         if need_x:
-            grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
+            if fp8 is None:
+                grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
+            else:
+                grad_input = fp8_linear_dgrad(g8, weight, fp8, out_dtype=x.dtype)
             if sp:
                 if gather is not None:
                     gather.wait()
@@ -85,14 +113,16 @@ class _ColumnParallelMatmul(Function):
             gather.wait()
         grad_weight = grad_bias = None
         if need_w or need_b:  # runs while the input-gradient collective is in flight
-            grad_2d = grad.reshape(-1, grad.shape[-1])  # [s*b, out/tp]
-            if need_w:
-                grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+            total_2d = total.reshape(-1, total.shape[-1])  # [s*b, h]
+            if need_w and fp8 is not None:
+                grad_weight = fp8_linear_wgrad(g8, total_2d, fp8, out_dtype=weight.dtype)
+            elif need_w:
+                grad_weight = grad_2d.t().matmul(total_2d)
             if need_b:
                 grad_bias = grad_2d.sum(dim=0)
         if pending is not None:
             pending.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def column_parallel_linear(
@@ -103,17 +133,24 @@ def column_parallel_linear(
     tp_group: ProcessGroup,
     sequence_parallel: bool = False,
     gather_output: bool = False,
+    fp8: Fp8Recipe | None = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` with ``weight`` split by output rows over ``tp_group``.
 
     The functional form of :class:`ColumnParallelLinear`, e.g. for an output head tied to
     a :class:`~mega_tp_layers.VocabParallelEmbedding` weight. ``x`` is ``[s, b, h]``
     (``[s/tp, b, h]`` under sequence parallel); the result is ``[s, b, out/tp]``, or
-    ``[s, b, out]`` with ``gather_output``.
+    ``[s, b, out]`` with ``gather_output``. With ``fp8`` its three GEMMs run in FP8.
     """
     if group_size(tp_group) == 1:
-        return F.linear(x, weight, bias)
-    out: Tensor = _ColumnParallelMatmul.apply(x, weight, bias, tp_group, sequence_parallel)
+        return F.linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, bias, recipe=fp8)
+    if fp8 is None:
+        out: Tensor = _ColumnParallelMatmul.apply(x, weight, bias, tp_group, sequence_parallel, fp8)
+    else:  # the Function runs on [tokens, h]; gathering dim 0 keeps the sequence-major order
+        lead = (x.shape[0] * (group_size(tp_group) if sequence_parallel else 1), *x.shape[1:-1])
+        flat = x.reshape(-1, x.shape[-1])  # [s(/tp), b, h] -> [s(/tp)*b, h]
+        out = _ColumnParallelMatmul.apply(flat, weight, bias, tp_group, sequence_parallel, fp8)
+        out = out.view(*lead, weight.shape[0])  # [s*b, out/tp] -> [s, b, out/tp]
     if gather_output:
         out = gather_from_tp_region(out, tp_group)  # [s, b, out/tp] -> [s, b, out]
     return out
@@ -123,6 +160,28 @@ def _check_features(owner: str, in_features: int, out_features: int) -> None:
     for label, value in (("in_features", in_features), ("out_features", out_features)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{owner} {label} ({value!r}) must be a positive integer")
+
+
+def _check_fp8(
+    owner: str, fp8: object, backend: str, dims: tuple[tuple[str, int], ...]
+) -> Fp8Recipe | None:
+    """``fp8`` is None or a recipe for the torch backend, and the shard's GEMM dims qualify."""
+    if fp8 is None:
+        return None
+    if not isinstance(fp8, Fp8Recipe):
+        raise ValueError(f"{owner} fp8 ({fp8!r}) must be an Fp8Recipe or None")
+    if backend != "torch":
+        raise ValueError(
+            f"{owner} fp8=Fp8Recipe(...) swaps the torch backend's GEMMs, not backend "
+            f"{backend!r}; use backend='torch', or fp8_autocast with the te backend"
+        )
+    bad = [f"{label} ({value})" for label, value in dims if value % FP8_ALIGNMENT]
+    if bad:
+        raise ValueError(
+            f"{owner} with fp8 needs {' and '.join(bad)} to be multiples of {FP8_ALIGNMENT} "
+            "for torch._scaled_mm; choose sizes that are, or leave fp8 off for this layer"
+        )
+    return fp8
 
 
 def _check_input(owner: str, x: Tensor, expected: int, what: str, sp: bool, tp: int) -> None:
@@ -170,6 +229,7 @@ class ColumnParallelLinear(ShardedModule):
         device: torch.device | str | None = None,
         group_name: str = "tp",
         backend: Backend = "torch",
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         owner = "ColumnParallelLinear"
@@ -190,6 +250,10 @@ class ColumnParallelLinear(ShardedModule):
             )
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.out_features_per_rank = full_out // tp
+        self.fp8 = _check_fp8(
+            owner, fp8, self.backend,
+            (("in_features", in_features), ("out_features/tp", self.out_features_per_rank)),
+        )  # fmt: skip
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
@@ -229,7 +293,7 @@ class ColumnParallelLinear(ShardedModule):
         bias = None if self.skip_bias_add else self.bias
         return column_parallel_linear(
             x, self.weight, bias, tp_group=self.tp_group,
-            sequence_parallel=sp, gather_output=self.gather_output,
+            sequence_parallel=sp, gather_output=self.gather_output, fp8=self.fp8,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -237,6 +301,7 @@ class ColumnParallelLinear(ShardedModule):
             f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
             f"out_per_rank={self.out_features_per_rank}, sequence_parallel="
             f"{self.sequence_parallel}, gather_output={self.gather_output}, backend={self.backend}"
+            f"{', fp8=True' if self.fp8 is not None else ''}"
         )
 
 
@@ -271,6 +336,7 @@ class RowParallelLinear(ShardedModule):
         device: torch.device | str | None = None,
         group_name: str = "tp",
         backend: Backend = "torch",
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         owner = "RowParallelLinear"
@@ -290,6 +356,10 @@ class RowParallelLinear(ShardedModule):
             )
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.in_features_per_rank = in_features // tp
+        self.fp8 = _check_fp8(
+            owner, fp8, self.backend,
+            (("in_features/tp", self.in_features_per_rank), ("out_features", out_features)),
+        )  # fmt: skip
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
@@ -332,9 +402,15 @@ class RowParallelLinear(ShardedModule):
             result: Tensor = out[0] if self.skip_bias_add else out
             return result
         bias = None if self.skip_bias_add else self.bias
+        fp8 = self.fp8
         if tp == 1:
+            if fp8 is not None:
+                return fp8_linear(x, self.weight, bias, recipe=fp8)
             return F.linear(x, self.weight, bias)
-        partial = F.linear(x, self.weight)  # [s, b, in/tp] -> [s, b, out], partial over tp
+        # [s, b, in/tp] -> [s, b, out], partial over tp
+        partial = (
+            F.linear(x, self.weight) if fp8 is None else fp8_linear(x, self.weight, recipe=fp8)
+        )
         if sp:
             out = reduce_scatter_to_sequence_region(partial, group)  # -> [s/tp, b, out]
         else:
@@ -346,5 +422,5 @@ class RowParallelLinear(ShardedModule):
             f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
             f"in_per_rank={self.in_features_per_rank}, sequence_parallel="
             f"{self.sequence_parallel}, input_is_parallel={self.input_is_parallel}, "
-            f"backend={self.backend}"
+            f"backend={self.backend}{', fp8=True' if self.fp8 is not None else ''}"
         )

@@ -1,0 +1,301 @@
+"""FP8 GEMMs for the linear layers: tensor-wise dynamic scaling through ``torch._scaled_mm``.
+
+Every GEMM operand is quantised when it is used: the amax of the whole tensor (this rank's
+tensor, under tensor parallelism) gives ``scale = fp8_max / max(amax, eps)``, and the fp8
+value is ``x * scale``, clamped to the format's range and rounded to nearest. The GEMM
+multiplies the fp8 operands with an fp32 accumulator and then multiplies the result by
+both inverse scales. The three GEMMs of a linear layer (``y = x W^T``):
+
+- forward ``x @ W^T``: x and W in ``fwd_dtype`` (e4m3)
+- dgrad ``dy @ W``: dy in ``grad_dtype`` (e5m2), W in ``fwd_dtype``
+- wgrad ``dy^T @ x``: dy in ``grad_dtype``, x in ``fwd_dtype``
+
+On CUDA devices of compute capability 8.9 or newer the GEMM is ``torch._scaled_mm``.
+Elsewhere it is emulated exactly: the same fp8 values are widened to fp32, multiplied by an
+fp32 matmul and scaled by the same inverse scales, so CPU tests see the quantisation
+numerics. ``_scaled_mm`` needs every GEMM dimension to be a multiple of 16; a GEMM whose
+shapes do not qualify falls back to the high-precision matmul, with one warning per shape,
+and both paths make that choice the same way. Scales stay on the device (no host sync),
+and nothing branches on tensor values, so ``torch.compile`` traces it without breaks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+__all__ = [
+    "FP8_ALIGNMENT",
+    "Fp8Recipe",
+    "Fp8Tensor",
+    "fp8_gemm_fits",
+    "fp8_gemm_supported",
+    "fp8_linear",
+    "fp8_linear_dgrad",
+    "fp8_linear_forward",
+    "fp8_linear_wgrad",
+    "fp8_quantize",
+    "shared_grad",
+]
+
+#: ``torch._scaled_mm`` needs every GEMM dimension to be a multiple of this.
+FP8_ALIGNMENT = 16
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How a linear layer's three GEMMs run in FP8: tensor-wise scales from the current amax."""
+
+    fwd_dtype: torch.dtype = torch.float8_e4m3fn
+    """Format of inputs and weights (3 mantissa bits: relative rounding error <= 2^-4)."""
+    grad_dtype: torch.dtype = torch.float8_e5m2
+    """Format of output gradients (2 mantissa bits, wider range: relative error <= 2^-3)."""
+    eps: float = 1e-12
+    """Floor on amax, so that an all-zero tensor gets a finite scale."""
+    emulate: bool | None = None
+    """True: always emulate; False: always ``torch._scaled_mm`` (CUDA sm89+); None: auto."""
+
+    def __post_init__(self) -> None:
+        for label, value in (("fwd_dtype", self.fwd_dtype), ("grad_dtype", self.grad_dtype)):
+            if value not in _FP8_DTYPES:
+                raise ValueError(
+                    f"Fp8Recipe.{label} ({value}) is not an fp8 format; "
+                    "use torch.float8_e4m3fn or torch.float8_e5m2"
+                )
+        if self.fwd_dtype == self.grad_dtype == torch.float8_e5m2:
+            raise ValueError(
+                "Fp8Recipe has fwd_dtype and grad_dtype both torch.float8_e5m2, which "
+                "torch._scaled_mm cannot multiply together; keep fwd_dtype=torch.float8_e4m3fn"
+            )
+        if not (isinstance(self.eps, float | int) and math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"Fp8Recipe.eps ({self.eps!r}) must be a positive finite number")
+
+    def emulated_on(self, device: torch.device) -> bool:
+        """Whether GEMMs on ``device`` are emulated (``emulate``, or auto: no sm89+ GPU)."""
+        if self.emulate is not None:
+            return self.emulate
+        return not fp8_gemm_supported(device)
+
+
+class Fp8Tensor(NamedTuple):
+    """An fp8 tensor and its fp32 scalar inverse scale: ``data.float() * inv_scale ~ x``."""
+
+    data: Tensor
+    inv_scale: Tensor
+
+    def dequantize(self) -> Tensor:
+        """The fp32 values this tensor stands for."""
+        return self.data.float() * self.inv_scale
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """True when ``torch._scaled_mm`` runs on ``device`` (CUDA, compute capability >= 8.9)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_gemm_fits(*dims: int) -> bool:
+    """True when every GEMM dimension is a multiple of :data:`FP8_ALIGNMENT`."""
+    return all(d % FP8_ALIGNMENT == 0 for d in dims)
+
+
+def fp8_quantize(x: Tensor, dtype: torch.dtype, eps: float = 1e-12) -> Fp8Tensor:
+    """``x`` in the fp8 ``dtype`` with one scale for the whole tensor (its current amax)."""
+    if dtype not in _FP8_DTYPES:
+        raise ValueError(
+            f"fp8_quantize dtype ({dtype}) is not an fp8 format; "
+            "use torch.float8_e4m3fn or torch.float8_e5m2"
+        )
+    fmax = torch.finfo(dtype).max
+    x32 = x.detach().float()
+    scale = fmax / x32.abs().amax().clamp(min=eps)  # fp32 scalar, on x's device
+    data = (x32 * scale).clamp(-fmax, fmax).to(dtype)
+    return Fp8Tensor(data, scale.reciprocal())
+
+
+def _scaled_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, recipe: Fp8Recipe) -> Tensor:
+    """``dequant(a) @ dequant(b)`` for ``a`` ``[M, K]`` and ``b`` ``[K, N]``, in ``out_dtype``."""
+    device = a.data.device
+    if recipe.emulated_on(device):
+        acc = a.data.float() @ b.data.float()  # products of fp8 values are exact in fp32
+        return (acc * (a.inv_scale * b.inv_scale)).to(out_dtype)
+    if not fp8_gemm_supported(device):
+        raise ValueError(
+            f"Fp8Recipe(emulate=False) needs a CUDA device of compute capability 8.9 or newer "
+            f"for torch._scaled_mm, but the tensors are on {device}; use emulate=None (auto)"
+        )
+    # _scaled_mm wants a row-major, b column-major: both copies are no-ops when already so
+    out: Tensor = torch._scaled_mm(
+        a.data.contiguous(),
+        b.data.t().contiguous().t(),
+        scale_a=a.inv_scale,
+        scale_b=b.inv_scale,
+        out_dtype=out_dtype,
+    )
+    return out
+
+
+@functools.cache
+def _warn_unaligned(what: str, dims: tuple[int, ...]) -> None:
+    warnings.warn(
+        f"fp8 {what} GEMM of dims {dims} is not a multiple of {FP8_ALIGNMENT} in every "
+        "dimension, as torch._scaled_mm needs; it runs in high precision instead",
+        stacklevel=3,
+    )
+
+
+def _check_pair(what: str, a: Tensor | Fp8Tensor, b: Tensor, a_dim: int, b_dim: int) -> None:
+    shape_a = tuple((a.data if isinstance(a, Fp8Tensor) else a).shape)
+    for label, t in (("first", a), ("second", b)):
+        if not isinstance(t, Fp8Tensor) and t.dtype not in _HIGH_DTYPES:
+            raise ValueError(
+                f"{what}: the {label} operand has dtype {t.dtype}; pass an fp32, bf16 or fp16 "
+                "tensor (the function quantises it)"
+            )
+    if len(shape_a) != 2 or b.dim() != 2 or shape_a[a_dim] != b.shape[b_dim]:
+        raise ValueError(
+            f"{what} needs two 2-D operands whose dims {a_dim} and {b_dim} agree, got shapes "
+            f"{shape_a} and {tuple(b.shape)}; flatten the leading dims to [tokens, features]"
+        )
+
+
+def _as_grad(grad2d: Tensor | Fp8Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
+    if isinstance(grad2d, Fp8Tensor):
+        return grad2d
+    return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps)
+
+
+def _grad_values(grad2d: Tensor | Fp8Tensor) -> Tensor:
+    return grad2d.dequantize() if isinstance(grad2d, Fp8Tensor) else grad2d
+
+
+def fp8_linear_forward(
+    x2d: Tensor, weight: Tensor, recipe: Fp8Recipe, *, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """``x2d @ weight.T``: ``[M, K] x [N, K] -> [M, N]``, both in ``recipe.fwd_dtype``.
+
+    The result has ``out_dtype`` (default: ``x2d``'s dtype).
+    """
+    _check_pair("fp8_linear_forward", x2d, weight, 1, 1)
+    out_dtype = out_dtype if out_dtype is not None else x2d.dtype
+    dims = (x2d.shape[0], x2d.shape[1], weight.shape[0])
+    if not fp8_gemm_fits(*dims):
+        _warn_unaligned("forward", dims)
+        return (x2d @ weight.t()).to(out_dtype)
+    xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps)
+    wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)
+    return _scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe)
+
+
+def fp8_linear_dgrad(
+    grad2d: Tensor | Fp8Tensor,
+    weight: Tensor,
+    recipe: Fp8Recipe,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``grad2d @ weight``: ``[M, N] x [N, K] -> [M, K]``, the gradient in ``grad_dtype``.
+
+    ``grad2d`` may be already quantised (an :class:`Fp8Tensor`, shared with the wgrad).
+    The result has ``out_dtype`` (default: ``weight``'s dtype).
+    """
+    _check_pair("fp8_linear_dgrad", grad2d, weight, 1, 0)
+    out_dtype = out_dtype if out_dtype is not None else weight.dtype
+    dims = (weight.shape[0], weight.shape[1], _rows(grad2d))
+    if not fp8_gemm_fits(*dims):
+        _warn_unaligned("dgrad", dims)
+        return (_grad_values(grad2d).to(weight.dtype) @ weight).to(out_dtype)
+    wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)
+    return _scaled_gemm(_as_grad(grad2d, recipe), wq, out_dtype, recipe)
+
+
+def fp8_linear_wgrad(
+    grad2d: Tensor | Fp8Tensor,
+    x2d: Tensor,
+    recipe: Fp8Recipe,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``grad2d.T @ x2d``: ``[M, N]^T x [M, K] -> [N, K]``, the weight's gradient.
+
+    ``grad2d`` (in ``grad_dtype``) may be already quantised; ``x2d`` is in ``fwd_dtype``.
+    The result has ``out_dtype`` (default: ``x2d``'s dtype).
+    """
+    _check_pair("fp8_linear_wgrad", grad2d, x2d, 0, 0)
+    out_dtype = out_dtype if out_dtype is not None else x2d.dtype
+    g = grad2d.data if isinstance(grad2d, Fp8Tensor) else grad2d
+    dims = (x2d.shape[0], x2d.shape[1], g.shape[1])
+    if not fp8_gemm_fits(*dims):
+        _warn_unaligned("wgrad", dims)
+        return (_grad_values(grad2d).to(x2d.dtype).t() @ x2d).to(out_dtype)
+    gq = _as_grad(grad2d, recipe)
+    xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps)
+    return _scaled_gemm(Fp8Tensor(gq.data.t(), gq.inv_scale), xq, out_dtype, recipe)
+
+
+def _rows(t: Tensor | Fp8Tensor) -> int:
+    return int((t.data if isinstance(t, Fp8Tensor) else t).shape[0])
+
+
+def shared_grad(grad2d: Tensor, in_features: int, recipe: Fp8Recipe) -> Tensor | Fp8Tensor:
+    """The output gradient quantised once for both backward GEMMs, when they qualify."""
+    if fp8_gemm_fits(grad2d.shape[0], grad2d.shape[1], in_features):
+        return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps)
+    return grad2d
+
+
+class _Fp8Linear(Function):
+    """fwd: fp8 GEMM (+ bias) · bwd: fp8 dgrad and wgrad from one quantised gradient"""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Fp8Recipe
+    ) -> Tensor:
+        ctx.recipe = recipe
+        ctx.save_for_backward(x, weight)  # [tokens, in], high precision; requantised in backward
+        out = fp8_linear_forward(x, weight, recipe)  # [tokens, in] -> [tokens, out]
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        recipe: Fp8Recipe = ctx.recipe
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g = shared_grad(grad, weight.shape[1], recipe) if need_x or need_w else grad
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = fp8_linear_dgrad(g, weight, recipe, out_dtype=x.dtype)
+        if need_w:
+            grad_w = fp8_linear_wgrad(g, x, recipe, out_dtype=weight.dtype)
+        if need_b:
+            grad_b = grad.sum(dim=0)
+        return grad_x, grad_w, grad_b, None
+
+
+def fp8_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, recipe: Fp8Recipe
+) -> Tensor:
+    """``F.linear(x, weight, bias)`` with its forward, dgrad and wgrad GEMMs in fp8.
+
+    ``x`` is ``[..., in]``; the bias is added in high precision and its gradient is the
+    high-precision sum of the output gradient.
+    """
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"fp8_linear needs x [..., in] and weight [out, in] with matching in, got shapes "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}; pass a weight of in_features columns"
+        )
+    x2d = x.reshape(-1, x.shape[-1])  # [..., in] -> [tokens, in]
+    out: Tensor = _Fp8Linear.apply(x2d, weight, bias, recipe)
+    return out.view(*x.shape[:-1], weight.shape[0])  # a view outside the Function
