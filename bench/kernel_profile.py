@@ -48,6 +48,7 @@ def main() -> None:
     a = ap.parse_args()
     argv = [x for x in a.args if x != "--"]
     sys.argv = [a.script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))  # its sibling modules
     cuda = torch.cuda.is_available()  # CPU: a smoke run of this script, operator times
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         try:

@@ -53,7 +53,7 @@ def main(folder: str) -> None:
     for r in rows:
         tps, world = per_gpu[id(r)], r.get("world", 1)
         tflops = tps * r["flops_per_token"] / 1e12
-        compiled = r.get("compile") is True or r["system"] == "mega-compile"
+        compiled = r.get("compile") is True or str(r["system"]).startswith("mega-compile")
         ref = mega.get(("mega-compile" if compiled else "mega-eager", world))
         ratio = f"{tps / ref:.3f}x" if ref else "-"
         mfu = f"{tflops / ceiling:.1%}" if ceiling else "-"
