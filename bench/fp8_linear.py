@@ -8,7 +8,8 @@ in fp8, tensor-wise dynamic scales) for the MLP's two GEMM shapes (h -> ffn, ffn
 10 warm-up iterations, then 50 timed with CUDA events, median reported. Before timing it
 checks the ``_scaled_mm`` results against the exact CPU-style emulation on the same device
 (same fp8 values and scales, fp32 matmul): they differ only by the accumulation order,
-so the check is a relative error (max |diff| / max |ref|) below 1e-3. Appends one JSON line
+and the rounding of the bf16 output, so the check is a relative error (max |diff| / max |ref|)
+below 2^-7, one bf16 ulp (measured on H200: 0.0034-0.0063). Appends one JSON line
 per shape to $OUT/results.jsonl and prints it.
 """
 
@@ -110,7 +111,8 @@ def main() -> None:
         w = 0.02 * torch.randn(d_out, d_in, device=device, dtype=dtype, generator=gen)
         g = torch.randn(args.tokens, d_out, device=device, dtype=dtype, generator=gen)
         check = _check_against_emulation(x, w, g, recipe)
-        if max(check.values()) > 1e-3:
+        print(f"_scaled_mm vs emulation (max |diff| / max |ref|): {check}", flush=True)
+        if max(check.values()) > 2.0**-7:  # one bf16 ulp of the output, relative to its max
             raise SystemExit(f"_scaled_mm disagrees with the emulation: {check}")
         steps = {
             "bf16": _step(F.linear, x, w, g),

@@ -50,8 +50,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)  # [s(/tp), b, h] -> [s, b, (2) ffn / tp]
         if self.swiglu:
-            pairs = y.unflatten(-1, (-1, 2))
-            y = F.silu(pairs[..., 0]) * pairs[..., 1]
+            # unbind, not indexing: its backward writes both halves in one stacking kernel,
+            # where two selects' backwards would each fill a zero tensor and then be added
+            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
+            y = F.silu(gate) * up
         else:
             y = F.gelu(y, approximate="tanh")
         out: torch.Tensor = self.fc2(y)  # -> [s(/tp), b, h]

@@ -25,6 +25,8 @@ def rope_tables(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[s, b, n, d]`` by the tables of :func:`rope_tables`."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    # chunk, not slicing: its backward is one concatenation, where two slices' backwards
+    # would each fill a zero tensor of x's size and then be added
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
     return x * cos + rotated * sin
