@@ -39,6 +39,7 @@ def main(folder: str) -> None:
             ceiling = float(json.load(f)["tflops_median"])
     with open(os.path.join(folder, "results.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if "tokens_per_s" in r]  # step benchmarks only (not fp8_linear's)
     per_gpu = {id(r): r.get("tokens_per_s_per_gpu", r["tokens_per_s"]) for r in rows}
     mega = {
         (r["system"], r.get("world", 1)): per_gpu[id(r)]
