@@ -111,8 +111,11 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[0], qkv.shape[1]
         per_group = self.heads // self.kv_heads
         qkv = qkv.view(s, b, self.kv_heads, per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
-        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # [s, b, kv/tp, d]
+        # split, not indexing: its backward is one concatenation, where slices' and selects'
+        # backwards would each fill a zero tensor of qkv's size and then be added
+        q, k, v = qkv.split([per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.heads, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, kv/tp, d]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
