@@ -52,12 +52,22 @@ DEEPSEEK = {
     "moe_shared_expert_size": 32, "moe_seq_aux_loss_coeff": 0.01, "moe_expert_bias": True,
     "moe_bias_update_rate": 0.01, "moe_grouped_experts": False,
 }  # fmt: skip
+# At scale (issue 12): enough experts for ep4 and ep8 to hold several each. Mixtral-style with
+# 16 experts, top-2, the all-to-all dispatcher and grouped experts (both MIXTRAL's defaults);
+# DeepSeek-style fine-grained: 16 small experts, top-6 from the best 2 of 4 groups.
+MIXTRAL_16 = {**MIXTRAL, "num_experts": 16}
+DEEPSEEK_16 = {
+    **DEEPSEEK, "num_experts": 16, "moe_top_k": 6, "moe_ffn_hidden_size": 16,
+    "moe_num_groups": 4, "moe_group_topk": 2,
+}  # fmt: skip
 
 
-def _overrides(layout: dict[str, object], model: dict[str, object]) -> list[tuple[str, str]]:
+def _overrides(
+    layout: dict[str, object], model: dict[str, object], micro: int = MICRO
+) -> list[tuple[str, str]]:
     out = [
         ("model.size", "mixtral-tiny"), ("train.seq_len", str(SEQ)),
-        ("train.micro_batch_size", str(MICRO)), ("train.global_batch_size", str(GLOBAL)),
+        ("train.micro_batch_size", str(micro)), ("train.global_batch_size", str(GLOBAL)),
         ("train.lr", str(LR)), ("train.min_lr", str(LR)), ("train.warmup_steps", "0"),
         ("train.decay", "constant"), ("train.clip_grad", "1.0"), ("parallel.bucket_size", "1000"),
         ("train.eps", str(EPS)),
@@ -72,12 +82,12 @@ def _overrides(layout: dict[str, object], model: dict[str, object]) -> list[tupl
     return out
 
 
-def _batches(seed: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(seed: int, step: int, micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batch of a step, cut into micro-batches."""
     gen = torch.Generator().manual_seed(seed * 1000 + step)
     tokens = torch.randint(0, 257, (GLOBAL, SEQ + 1), generator=gen)
     return [
-        (tokens[i : i + MICRO, :-1], tokens[i : i + MICRO, 1:]) for i in range(0, GLOBAL, MICRO)
+        (tokens[i : i + micro, :-1], tokens[i : i + micro, 1:]) for i in range(0, GLOBAL, micro)
     ]
 
 
@@ -114,9 +124,9 @@ def _stats(net: GPTModel) -> Stats:
 
 
 def _reference(
-    model: dict[str, object],
+    model: dict[str, object], micro: int = MICRO
 ) -> tuple[list[float], dict[str, torch.Tensor], list[Stats]]:
-    config = load_config(None, _overrides({}, model))
+    config = load_config(None, _overrides({}, model, micro))
     gpt = gpt_config(config)
     dev = rank_device()
     net = GPTModel(gpt, solo_groups(), seed=config.train.seed, device=dev)
@@ -132,7 +142,7 @@ def _reference(
     for step in range(STEPS):
         opt.zero_grad()
         total = 0.0
-        batches = _batches(7, step)
+        batches = _batches(7, step, micro)
         for layer in _moe_layers(net):  # the router losses weigh like the LM loss: 1/m
             layer.aux_loss_scale = 1.0 / len(batches)
         stats = []
@@ -149,9 +159,9 @@ def _reference(
 
 
 def _parallel(
-    layout: dict[str, object], model: dict[str, object]
+    layout: dict[str, object], model: dict[str, object], micro: int = MICRO
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, float]]:
-    config = load_config(None, _overrides(layout, model))
+    config = load_config(None, _overrides(layout, model, micro))
     gpt = gpt_config(config)
     check_config(config, gpt, torch.distributed.get_world_size())
     groups = init_process_groups(parallel_config(config))
@@ -165,7 +175,7 @@ def _parallel(
     dp, dp_rank = groups.size("dp"), groups.rank("dp")
     losses = []
     for step in range(STEPS):
-        mine = _batches(7, step)[dp_rank::dp]  # this dp rank's micro-batches
+        mine = _batches(7, step, micro)[dp_rank::dp]  # this dp rank's micro-batches
         loss, _ = runner.train_step(mine, LR)
         losses.append(float(loss))
     logged = moe_log_values(built.chunks, groups)
@@ -192,10 +202,14 @@ def _world(layout: dict[str, object], dp: int) -> int:
 
 
 def _check(
-    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
+    dist_pool: DistPool,
+    layout: dict[str, object],
+    model: dict[str, object],
+    dp: int,
+    micro: int = MICRO,
 ) -> None:
-    ref_losses, ref_weights, ref_stats = dist_pool.run(_reference, 1, args=(model,))[0]
-    results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model))
+    ref_losses, ref_weights, ref_stats = dist_pool.run(_reference, 1, args=(model, micro))[0]
+    results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model, micro))
     expected_log = _expected_log(ref_stats, dp)
     for losses, _, logged in results:  # every rank logs the same global-batch values
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL)
@@ -230,6 +244,26 @@ def test_moe_training_matches_single_process(
     dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
 ) -> None:
     _check(dist_pool, layout, model, dp)
+
+
+# Expert parallel at scale (issue 12): 4 and 8 ranks. At dp8 the global batch of 8 sequences is
+# cut into micro-batches of 1 so that every dp rank gets one.
+SCALE_CASES = [
+    ({"ep": 4}, MIXTRAL_16, 4, MICRO),  # ep4 folded over dp4: 4 experts a rank, edp = 1
+    ({"ep": 8}, MIXTRAL_16, 8, 1),  # ep8 folded over dp8: 2 experts a rank
+    ({"ep": 8, "tp": 2, "etp": 1}, DEEPSEEK_16, 4, MICRO),  # ep8 over tp2·dp4: etp1, edp = 1
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "model", "dp", "micro"),
+    SCALE_CASES,
+    ids=["ep4-dp4", "ep8-dp8", "ep8-tp2-etp1-deepseek"],
+)
+def test_moe_training_at_scale_matches_single_process(
+    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int, micro: int
+) -> None:
+    _check(dist_pool, layout, model, dp, micro)
 
 
 def _message(layout: dict[str, object], model: dict[str, object], world: int, seq: int) -> str:

@@ -40,9 +40,11 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 Weights = dict[str, torch.Tensor]
 
 
-def _config(layout: dict[str, object], model: dict[str, object], seed: int) -> TrainerConfig:
+def _config(
+    layout: dict[str, object], model: dict[str, object], seed: int, micro: int
+) -> TrainerConfig:
     pairs: dict[str, object] = {
-        "train.seq_len": SEQ, "train.micro_batch_size": MICRO, "train.global_batch_size": GLOBAL,
+        "train.seq_len": SEQ, "train.micro_batch_size": micro, "train.global_batch_size": GLOBAL,
         "train.lr": LR, "train.min_lr": LR, "train.warmup_steps": 0, "train.decay": "constant",
         "train.clip_grad": 1.0, "train.eps": EPS, "train.seed": seed, "parallel.bucket_size": 1000,
     }  # fmt: skip
@@ -54,13 +56,20 @@ def _config(layout: dict[str, object], model: dict[str, object], seed: int) -> T
 class _Run:
     """One layout's model, optimizer and step runner on this rank."""
 
-    def __init__(self, layout: dict[str, object], model: dict[str, object], seed: int = 1234):
-        self.config = _config(layout, model, seed)
+    def __init__(
+        self,
+        layout: dict[str, object],
+        model: dict[str, object],
+        seed: int = 1234,
+        micro: int = MICRO,
+    ):
+        self.micro = micro
+        self.config = _config(layout, model, seed, micro)
         self.groups: ProcessGroups = init_process_groups(parallel_config(self.config))
         self.built: Built = build(self.config, self.groups, rank_device())
         self.gpt = gpt_config(self.config)
         self.runner = StepRunner(
-            self.built, self.groups, seq_len=SEQ, micro_batch_size=MICRO,
+            self.built, self.groups, seq_len=SEQ, micro_batch_size=micro,
             hidden_size=self.gpt.hidden_size, dtype=torch.float32, device=rank_device(),
             sequence_parallel=False,
         )  # fmt: skip
@@ -69,7 +78,8 @@ class _Run:
         """Train on the global batch of ``step`` (the same samples at every layout)."""
         gen = torch.Generator().manual_seed(7000 + step)
         tokens = torch.randint(0, 257, (GLOBAL, SEQ + 1), generator=gen)
-        batches = [(tokens[i : i + MICRO, :-1], tokens[i : i + MICRO, 1:]) for i in range(0, GLOBAL, MICRO)]  # fmt: skip
+        m = self.micro
+        batches = [(tokens[i : i + m, :-1], tokens[i : i + m, 1:]) for i in range(0, GLOBAL, m)]
         dp, dp_rank = self.groups.size("dp"), self.groups.rank("dp")
         loss, _ = self.runner.train_step(batches[dp_rank::dp], LR)
         return float(loss)
@@ -138,8 +148,11 @@ def test_same_layout_round_trip_is_exact(dist_pool: DistPool, tmp_path: Path) ->
 TIED = {**MODEL, "tie_embeddings": True}
 
 
-def _save_tp2_pp2_vpp2(run_dir: str) -> tuple[Weights, float, Weights]:
-    a = _Run({"tp": 2, "pp": 2, "vpp": 2}, TIED)
+def _save_and_step(
+    run_dir: str, layout: dict[str, object], micro: int
+) -> tuple[Weights, float, Weights]:
+    """Train 2 steps at ``layout``, save, then run step 2: saved weights, its loss, weights after."""
+    a = _Run(layout, TIED, micro=micro)
     for step in range(2):
         a.step(step)
     save_checkpoint(Path(run_dir), 2, a.built, a.groups, a.state())
@@ -148,8 +161,10 @@ def _save_tp2_pp2_vpp2(run_dir: str) -> tuple[Weights, float, Weights]:
     return saved, loss, a.full_weights()
 
 
-def _load_and_step(run_dir: str, layout: dict[str, object]) -> tuple[Weights, float, Weights, bool]:
-    b = _Run(layout, TIED, seed=99)
+def _load_and_step(
+    run_dir: str, layout: dict[str, object], micro: int
+) -> tuple[Weights, float, Weights, bool]:
+    b = _Run(layout, TIED, seed=99, micro=micro)
     path = latest_checkpoint(Path(run_dir))
     assert path is not None
     state = load_checkpoint(path, b.built, b.groups)
@@ -157,14 +172,21 @@ def _load_and_step(run_dir: str, layout: dict[str, object]) -> tuple[Weights, fl
     return loaded, b.step(2), b.full_weights(), state["rng_restored"]
 
 
-def test_resharding_to_other_layouts(dist_pool: DistPool, tmp_path: Path) -> None:
-    results = dist_pool.run(_save_tp2_pp2_vpp2, 8, args=(str(tmp_path),))
+def _check_resharding(
+    dist_pool: DistPool,
+    run_dir: Path,
+    saved_at: dict[str, object],
+    resume_at: list[tuple[dict[str, object], int]],
+    micro: int = MICRO,
+) -> None:
+    """Save at ``saved_at`` on 8 ranks; each (layout, world) of ``resume_at`` loads and steps."""
+    results = dist_pool.run(_save_and_step, 8, args=(str(run_dir), saved_at, micro))
     saved = _merge([r[0] for r in results])
     after = _merge([r[2] for r in results])
     loss = results[0][1]
     assert {r[1] for r in results} == {loss}
-    for layout, world in (({"tp": 1}, 4), ({}, 1)):
-        out = dist_pool.run(_load_and_step, world, args=(str(tmp_path), layout))
+    for layout, world in resume_at:
+        out = dist_pool.run(_load_and_step, world, args=(str(run_dir), layout, micro))
         loaded = _merge([r[0] for r in out])
         assert loaded.keys() == saved.keys()
         for name, value in loaded.items():
@@ -174,6 +196,19 @@ def test_resharding_to_other_layouts(dist_pool: DistPool, tmp_path: Path) -> Non
             assert not rng_restored
         for name, value in _merge([r[2] for r in out]).items():
             torch.testing.assert_close(value, after[name], msg=lambda m, n=name: f"{n}: {m}", **TOL)
+
+
+def test_resharding_to_other_layouts(dist_pool: DistPool, tmp_path: Path) -> None:
+    _check_resharding(dist_pool, tmp_path, {"tp": 2, "pp": 2, "vpp": 2}, [({"tp": 1}, 4), ({}, 1)])
+
+
+def test_resharding_at_scale(dist_pool: DistPool, tmp_path: Path) -> None:
+    """tp2·pp2·dp2 with its optimizer state split over dp2 resumes on 8 ranks at dp8 and tp4·dp2.
+
+    Micro-batches of 1 sequence, so that each of dp8's ranks gets one of the 8 a step.
+    """
+    saved_at: dict[str, object] = {"tp": 2, "pp": 2, "distributed_optimizer": True}
+    _check_resharding(dist_pool, tmp_path, saved_at, [({}, 8), ({"tp": 4}, 8)], micro=1)
 
 
 # 3. a save killed before its commit ------------------------------------------------------
