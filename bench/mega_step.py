@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 bench/mega_step.py --size 1b-bench --tp 2 --sp
     python3 bench/mega_step.py --smoke                                   # CPU, tiny
     python3 bench/mega_step.py --size 1b-bench --mb 8 --fp8              # FP8 linear GEMMs
+    torchrun --nproc-per-node 2 bench/mega_step.py --tp 2 --sp --tp-comm-overlap  # collective matmul
 
 Runs the trainer's own build (GPTModel, mega-zero-optim DDP + distributed optimizer with
 fp32 master weights and fused AdamW, bf16 parameters) and step (mega-pipeline schedule),
@@ -45,6 +46,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="train.fp8 true (bf16 + FP8 GEMMs)")
+    ap.add_argument(
+        "--tp-comm-overlap", action="store_true",
+        help="parallel.tp_comm_overlap true (needs --sp): SP collectives overlapped with GEMMs",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.smoke:
         args.size, args.mb, args.seq, args.steps, args.warmup = "tiny", 2, 64, 2, 1
@@ -67,6 +72,7 @@ def main() -> None:
         ("train.compile", str(args.compile).lower()),
         ("train.recompute", args.recompute), ("parallel.tp", str(args.tp)), ("parallel.pp", str(args.pp)),
         ("parallel.sequence_parallel", str(args.sp).lower()),
+        ("parallel.tp_comm_overlap", str(args.tp_comm_overlap).lower()),
     ]  # fmt: skip
     config = load_config(None, overrides)
     model = gpt_config(config)
@@ -111,6 +117,7 @@ def main() -> None:
         "system": f"mega{'-compile' if args.compile else '-eager'}{'-fp8' if args.fp8 else ''}",
         "size": args.size, "mb": args.mb,
         "tp": args.tp, "pp": args.pp, "dp": dp, "sp": args.sp, "world": world,
+        "tp_comm_overlap": args.tp_comm_overlap,
         "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world, "step_ms_median": med,
         "step_ms_min": min(times), "step_ms_max": max(times), "flops_per_token": flops,
         "model_tflops": tok_s * flops / world / 1e12, "loss": float(loss), "warmup_s": first_s,

@@ -112,7 +112,7 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         else:
             chunks.append(GPTModel(
                 model, groups, stage=stage, cp_method=p.cp_method,
-                fp8=Fp8Recipe() if t.fp8 else None, **kwargs,
+                fp8=Fp8Recipe() if t.fp8 else None, tp_comm_overlap=p.tp_comm_overlap, **kwargs,
             ))  # fmt: skip
     if t.compile:
         for chunk in chunks:

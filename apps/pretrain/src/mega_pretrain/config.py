@@ -47,6 +47,9 @@ class ParallelSection:
     """Virtual pipeline chunks per pp rank (interleaved 1F1B)."""
     sequence_parallel: bool = False
     """Split norms and dropout along the sequence over tp (needs tp > 1)."""
+    tp_comm_overlap: bool = False
+    """Overlap the sequence-parallel all-gathers/reduce-scatters with the linear GEMMs, in
+    chunks around a ring of the tp group (GPT models; needs sequence_parallel and tp > 1)."""
     cp_method: Literal["ring", "all_gather"] = "ring"
     """How context-parallel attention exchanges K/V."""
     distributed_optimizer: bool = True

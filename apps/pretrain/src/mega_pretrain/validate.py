@@ -69,6 +69,17 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
         )
     if t.fp8 and isinstance(model, HybridConfig):
         raise ValueError(_FP8_HYBRID)
+    if p.tp_comm_overlap and (not p.sequence_parallel or p.tp == 1):
+        raise ValueError(
+            f"parallel.tp_comm_overlap needs parallel.sequence_parallel true and tp > 1 (got "
+            f"sequence_parallel={str(p.sequence_parallel).lower()}, tp={p.tp}); turn it off "
+            "or enable sequence parallelism"
+        )
+    if p.tp_comm_overlap and isinstance(model, HybridConfig):
+        raise ValueError(
+            "parallel.tp_comm_overlap is supported for GPT models only, not hybrid (Mamba) "
+            "ones; turn it off or choose a GPT size"
+        )
     if isinstance(model, HybridConfig) and p.cp > 1:
         raise ValueError(f"cp ({p.cp}) > 1 is not supported for hybrid (Mamba) models; use cp = 1")
     stages = p.pp * (p.vpp or 1)

@@ -48,6 +48,7 @@ class SelfAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         fp8: Fp8Recipe | None = None,
+        tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
         c = config
@@ -61,7 +62,8 @@ class SelfAttention(nn.Module):
         self.recompute_core = recompute_core
         self.rng = rng
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
-                  "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8}  # fmt: skip
+                  "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8,
+                  "tp_comm_overlap": tp_comm_overlap}  # fmt: skip
         qkv_out = (c.num_attention_heads + 2 * c.kv_heads) * c.head_dim
         self.qkv = ColumnParallelLinear(
             c.hidden_size, qkv_out, init_method=Normal(c.init_std),

@@ -41,6 +41,8 @@ class GPTModel(nn.Module):
     materialised on ``device`` and drawn from ``(seed, parameter name)`` — with global
     layer indices in the names — so every layout gets the same full weights. ``fp8`` runs
     the transformer layers' linear GEMMs in FP8; embedding and output head stay as they are.
+    ``tp_comm_overlap`` (needs ``sequence_parallel``) overlaps the layers' sequence-parallel
+    all-gathers and reduce-scatters with their linear GEMMs (the output head stays plain).
     """
 
     def __init__(
@@ -57,11 +59,17 @@ class GPTModel(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         fp8: Fp8Recipe | None = None,
+        tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
         tp, cp = groups.size("tp"), groups.size("cp")
         if sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1; turn it off or raise tp")
+        if tp_comm_overlap and not sequence_parallel:
+            raise ValueError(
+                "tp_comm_overlap=True overlaps the sequence-parallel collectives, so it needs "
+                "sequence_parallel=True (and tp > 1); turn it off or enable sequence parallel"
+            )
         if recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute ({recompute!r}) must be 'none', 'selective' or 'full'")
         c = config
@@ -96,7 +104,7 @@ class GPTModel(nn.Module):
                 c, tp_group=groups.tp, cp_group=groups.cp, sequence_parallel=sp,
                 cp_method=cp_method, recompute_core=recompute == "selective", rng=rng,
                 layer_index=i, ep_group=groups.ep, etp_group=groups.etp, tp_cp_group=groups.tp_cp,
-                device=meta, dtype=dtype, fp8=fp8,
+                device=meta, dtype=dtype, fp8=fp8, tp_comm_overlap=tp_comm_overlap,
             )
             for i in self.stage.layers
         })  # fmt: skip

@@ -110,6 +110,7 @@ class TransformerLayer(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         fp8: Fp8Recipe | None = None,
+        tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
         c = config
@@ -119,7 +120,7 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(
             c, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel,
             cp_method=cp_method, recompute_core=recompute_core, rng=rng, device=device, dtype=dtype,
-            fp8=fp8,
+            fp8=fp8, tp_comm_overlap=tp_comm_overlap,
         )  # fmt: skip
         self.mlp_norm = Norm(c.hidden_size, c.norm, c.norm_eps, **norm_kw)
         self.mlp: MLP | MoELayer
@@ -131,7 +132,7 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = MLP(
                 c, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device,
-                dtype=dtype, fp8=fp8,
+                dtype=dtype, fp8=fp8, tp_comm_overlap=tp_comm_overlap,
             )  # fmt: skip
         self.hidden_dropout = c.hidden_dropout
         self.sequence_parallel = sequence_parallel

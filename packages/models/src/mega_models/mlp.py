@@ -32,12 +32,14 @@ class MLP(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         fp8: Fp8Recipe | None = None,
+        tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
         c = config
         self.swiglu = c.activation == "swiglu"
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
-                  "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8}  # fmt: skip
+                  "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8,
+                  "tp_comm_overlap": tp_comm_overlap}  # fmt: skip
         width = 2 * c.ffn_size if self.swiglu else c.ffn_size
         self.fc1 = ColumnParallelLinear(
             c.hidden_size, width, init_method=Normal(c.init_std), **common

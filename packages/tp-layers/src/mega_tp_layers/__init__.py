@@ -43,6 +43,12 @@ from mega_tp_layers.mappings import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
+from mega_tp_layers.overlap import (
+    all_gather_linear,
+    linear_reduce_scatter,
+    ring_all_gather,
+    ring_reduce_scatter,
+)
 from mega_tp_layers.rng import TP_RNG, TP_SEED_OFFSET, RNGStatesTracker, tp_rng_tracker
 from mega_tp_layers.shard import (
     SHARD_ATTR,
@@ -80,6 +86,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "XavierUniform",
     "Zeros",
+    "all_gather_linear",
     "column_parallel_linear",
     "copy_to_tp_region",
     "fp8_autocast",
@@ -96,12 +103,15 @@ __all__ = [
     "init_full",
     "init_parameter",
     "init_parameters",
+    "linear_reduce_scatter",
     "mark_replicated",
     "mark_sequence_parallel",
     "padded_vocab_size",
     "param_generator",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
+    "ring_all_gather",
+    "ring_reduce_scatter",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
     "set_shard_spec",

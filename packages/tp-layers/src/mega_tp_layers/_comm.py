@@ -16,11 +16,13 @@ __all__ = [
     "all_gather_dim0",
     "all_gather_last_dim",
     "all_reduce",
+    "all_reduce_max",
     "check_divisible_dim0",
     "check_group",
     "group_rank",
     "group_size",
     "reduce_scatter_dim0",
+    "ring_shift",
     "split_last_dim",
 ]
 
@@ -62,6 +64,25 @@ def check_divisible_dim0(x: Tensor, size: int, what: str) -> None:
 def all_reduce(x: Tensor, group: ProcessGroup, async_op: bool = False) -> dist.Work | None:
     """Sum ``x`` in place across ``group``; returns the handle when ``async_op``."""
     return dist.all_reduce(x, group=group, async_op=async_op)
+
+
+def all_reduce_max(x: Tensor, group: ProcessGroup, async_op: bool = False) -> dist.Work | None:
+    """Elementwise maximum of ``x`` in place across ``group`` (exact in any dtype)."""
+    return dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+
+
+def ring_shift(send: Tensor, recv: Tensor, group: ProcessGroup) -> list[dist.Work]:
+    """Send ``send`` to the next rank of ``group`` and receive ``recv`` from the previous one.
+
+    Asynchronous: the handles are returned; ``send`` must stay untouched and ``recv``
+    unread until they are waited. Both are contiguous tensors of equal shape.
+    """
+    size, rank = group_size(group), group_rank(group)
+    ops = [
+        dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % size),
+        dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % size),
+    ]
+    return dist.batch_isend_irecv(ops)
 
 
 def all_gather_dim0(

@@ -13,6 +13,9 @@ issued asynchronously and overlapped with the weight-gradient GEMM.
 With ``fp8=Fp8Recipe()`` the forward, dgrad and wgrad GEMMs run in FP8 (``mega_tp_layers.fp8``);
 the collectives keep the activations' dtype. Scales are per rank: each rank quantises the
 tensors it holds (its weight shard; its gradient or input shard).
+
+With ``tp_comm_overlap=True`` (sequence parallel, tp > 1) the sequence all-gather and
+reduce-scatter run as rings of chunks overlapped with the GEMMs (``mega_tp_layers.overlap``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ from mega_tp_layers.mappings import (
     reduce_from_tp_region_inplace,
     reduce_scatter_to_sequence_region,
     scatter_to_tp_region,
+)
+from mega_tp_layers.overlap import (
+    all_gather_linear,
+    check_tp_comm_overlap,
+    linear_reduce_scatter,
 )
 from mega_tp_layers.shard import ShardSpec
 from mega_tp_layers.te_backend import Backend, check_backend, te_linear
@@ -134,18 +142,28 @@ def column_parallel_linear(
     sequence_parallel: bool = False,
     gather_output: bool = False,
     fp8: Fp8Recipe | None = None,
+    tp_comm_overlap: bool = False,
 ) -> Tensor:
     """``x @ weight.T + bias`` with ``weight`` split by output rows over ``tp_group``.
 
     The functional form of :class:`ColumnParallelLinear`, e.g. for an output head tied to
     a :class:`~mega_tp_layers.VocabParallelEmbedding` weight. ``x`` is ``[s, b, h]``
     (``[s/tp, b, h]`` under sequence parallel); the result is ``[s, b, out/tp]``, or
-    ``[s, b, out]`` with ``gather_output``. With ``fp8`` its three GEMMs run in FP8.
+    ``[s, b, out]`` with ``gather_output``. With ``fp8`` its three GEMMs run in FP8. With
+    ``tp_comm_overlap`` (needs ``sequence_parallel`` and tp > 1) the all-gather overlaps
+    the GEMM chunk by chunk, and the input gradient's reduce-scatter its GEMM.
     """
-    if group_size(tp_group) == 1:
+    tp = group_size(tp_group)
+    overlap = check_tp_comm_overlap(
+        "column_parallel_linear", tp_comm_overlap, sequence_parallel, tp
+    )
+    if overlap:
+        out = all_gather_linear(x, weight, bias, tp_group=tp_group, fp8=fp8)
+        return gather_from_tp_region(out, tp_group) if gather_output else out
+    if tp == 1:
         return F.linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, bias, recipe=fp8)
     if fp8 is None:
-        out: Tensor = _ColumnParallelMatmul.apply(x, weight, bias, tp_group, sequence_parallel, fp8)
+        out = _ColumnParallelMatmul.apply(x, weight, bias, tp_group, sequence_parallel, fp8)
     else:  # the Function runs on [tokens, h]; gathering dim 0 keeps the sequence-major order
         lead = (x.shape[0] * (group_size(tp_group) if sequence_parallel else 1), *x.shape[1:-1])
         flat = x.reshape(-1, x.shape[-1])  # [s(/tp), b, h] -> [s(/tp)*b, h]
@@ -182,6 +200,16 @@ def _check_fp8(
             "for torch._scaled_mm; choose sizes that are, or leave fp8 off for this layer"
         )
     return fp8
+
+
+def _check_overlap(owner: str, overlap: bool, sp: bool, tp: int, backend: str) -> bool:
+    """``tp_comm_overlap`` applies: sequence parallel over tp > 1 ranks, torch backend."""
+    if overlap and backend != "torch":
+        raise ValueError(
+            f"{owner} tp_comm_overlap=True overlaps the torch backend's GEMMs, not backend "
+            f"{backend!r}; use backend='torch', or Transformer Engine's own overlap"
+        )
+    return check_tp_comm_overlap(owner, overlap, sp, tp)
 
 
 def _check_input(owner: str, x: Tensor, expected: int, what: str, sp: bool, tp: int) -> None:
@@ -230,6 +258,7 @@ class ColumnParallelLinear(ShardedModule):
         group_name: str = "tp",
         backend: Backend = "torch",
         fp8: Fp8Recipe | None = None,
+        tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
         owner = "ColumnParallelLinear"
@@ -255,6 +284,9 @@ class ColumnParallelLinear(ShardedModule):
             (("in_features", in_features), ("out_features/tp", self.out_features_per_rank)),
         )  # fmt: skip
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.tp_comm_overlap = _check_overlap(
+            owner, tp_comm_overlap, sequence_parallel, tp, backend
+        )
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
         if full_out != out_features:
@@ -294,6 +326,7 @@ class ColumnParallelLinear(ShardedModule):
         return column_parallel_linear(
             x, self.weight, bias, tp_group=self.tp_group,
             sequence_parallel=sp, gather_output=self.gather_output, fp8=self.fp8,
+            tp_comm_overlap=self.tp_comm_overlap,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -302,6 +335,7 @@ class ColumnParallelLinear(ShardedModule):
             f"out_per_rank={self.out_features_per_rank}, sequence_parallel="
             f"{self.sequence_parallel}, gather_output={self.gather_output}, backend={self.backend}"
             f"{', fp8=True' if self.fp8 is not None else ''}"
+            f"{', tp_comm_overlap=True' if self.tp_comm_overlap else ''}"
         )
 
 
@@ -337,6 +371,7 @@ class RowParallelLinear(ShardedModule):
         group_name: str = "tp",
         backend: Backend = "torch",
         fp8: Fp8Recipe | None = None,
+        tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
         owner = "RowParallelLinear"
@@ -361,6 +396,9 @@ class RowParallelLinear(ShardedModule):
             (("in_features/tp", self.in_features_per_rank), ("out_features", out_features)),
         )  # fmt: skip
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.tp_comm_overlap = _check_overlap(
+            owner, tp_comm_overlap, sequence_parallel, tp, backend
+        )
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
         w_spec = ShardSpec(1, tp, rank, group_name, (out_features, in_features), False)
@@ -407,6 +445,9 @@ class RowParallelLinear(ShardedModule):
             if fp8 is not None:
                 return fp8_linear(x, self.weight, bias, recipe=fp8)
             return F.linear(x, self.weight, bias)
+        if self.tp_comm_overlap:  # [s, b, in/tp] -> [s/tp, b, out], ring overlapped
+            out = linear_reduce_scatter(x, self.weight, tp_group=group, fp8=fp8)
+            return out if bias is None else out + bias
         # [s, b, in/tp] -> [s, b, out], partial over tp
         partial = (
             F.linear(x, self.weight) if fp8 is None else fp8_linear(x, self.weight, recipe=fp8)
@@ -423,4 +464,5 @@ class RowParallelLinear(ShardedModule):
             f"in_per_rank={self.in_features_per_rank}, sequence_parallel="
             f"{self.sequence_parallel}, input_is_parallel={self.input_is_parallel}, "
             f"backend={self.backend}{', fp8=True' if self.fp8 is not None else ''}"
+            f"{', tp_comm_overlap=True' if self.tp_comm_overlap else ''}"
         )
