@@ -13,6 +13,8 @@ from mega_tp_layers.fp8 import (
     fp8_linear_forward,
     fp8_linear_wgrad,
     fp8_quantize,
+    fp8_quantize_by_amax,
+    scaled_gemm,
 )
 from mega_tp_layers.grads import (
     SEQUENCE_PARALLEL_ATTR,
@@ -97,6 +99,7 @@ __all__ = [
     "fp8_linear_forward",
     "fp8_linear_wgrad",
     "fp8_quantize",
+    "fp8_quantize_by_amax",
     "gather_from_sequence_region",
     "gather_from_tp_region",
     "gather_full",
@@ -112,6 +115,7 @@ __all__ = [
     "reduce_scatter_to_sequence_region",
     "ring_all_gather",
     "ring_reduce_scatter",
+    "scaled_gemm",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
     "set_shard_spec",

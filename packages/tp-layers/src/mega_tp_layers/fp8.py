@@ -42,7 +42,10 @@ __all__ = [
     "fp8_linear_forward",
     "fp8_linear_wgrad",
     "fp8_quantize",
+    "fp8_quantize_by_amax",
+    "scaled_gemm",
     "shared_grad",
+    "warn_unaligned",
 ]
 
 #: ``torch._scaled_mm`` needs every GEMM dimension to be a multiple of this.
@@ -117,14 +120,25 @@ def fp8_quantize(x: Tensor, dtype: torch.dtype, eps: float = 1e-12) -> Fp8Tensor
             f"fp8_quantize dtype ({dtype}) is not an fp8 format; "
             "use torch.float8_e4m3fn or torch.float8_e5m2"
         )
-    fmax = torch.finfo(dtype).max
     x32 = x.detach().float()
-    scale = fmax / x32.abs().amax().clamp(min=eps)  # fp32 scalar, on x's device
-    data = (x32 * scale).clamp(-fmax, fmax).to(dtype)
+    return fp8_quantize_by_amax(x32, x32.abs().amax(), dtype, eps)
+
+
+def fp8_quantize_by_amax(
+    x: Tensor, amax: Tensor, dtype: torch.dtype, eps: float = 1e-12
+) -> Fp8Tensor:
+    """``x`` in the fp8 ``dtype`` with the scale of a given ``amax`` (an fp32 scalar tensor).
+
+    The amax may be that of a larger tensor ``x`` is part of (e.g. reduced over ranks), so
+    that slices quantised apart get the values quantising the whole would give.
+    """
+    fmax = torch.finfo(dtype).max
+    scale = fmax / amax.float().clamp(min=eps)  # fp32 scalar, on x's device
+    data = (x.detach().float() * scale).clamp(-fmax, fmax).to(dtype)
     return Fp8Tensor(data, scale.reciprocal())
 
 
-def _scaled_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, recipe: Fp8Recipe) -> Tensor:
+def scaled_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, recipe: Fp8Recipe) -> Tensor:
     """``dequant(a) @ dequant(b)`` for ``a`` ``[M, K]`` and ``b`` ``[K, N]``, in ``out_dtype``."""
     device = a.data.device
     if recipe.emulated_on(device):
@@ -147,7 +161,7 @@ def _scaled_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, recipe: Fp8
 
 
 @functools.cache
-def _warn_unaligned(what: str, dims: tuple[int, ...]) -> None:
+def warn_unaligned(what: str, dims: tuple[int, ...]) -> None:
     warnings.warn(
         f"fp8 {what} GEMM of dims {dims} is not a multiple of {FP8_ALIGNMENT} in every "
         "dimension, as torch._scaled_mm needs; it runs in high precision instead",
@@ -191,11 +205,11 @@ def fp8_linear_forward(
     out_dtype = out_dtype if out_dtype is not None else x2d.dtype
     dims = (x2d.shape[0], x2d.shape[1], weight.shape[0])
     if not fp8_gemm_fits(*dims):
-        _warn_unaligned("forward", dims)
+        warn_unaligned("forward", dims)
         return (x2d @ weight.t()).to(out_dtype)
     xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps)
     wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)
-    return _scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe)
+    return scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe)
 
 
 def fp8_linear_dgrad(
@@ -214,10 +228,10 @@ def fp8_linear_dgrad(
     out_dtype = out_dtype if out_dtype is not None else weight.dtype
     dims = (weight.shape[0], weight.shape[1], _rows(grad2d))
     if not fp8_gemm_fits(*dims):
-        _warn_unaligned("dgrad", dims)
+        warn_unaligned("dgrad", dims)
         return (_grad_values(grad2d).to(weight.dtype) @ weight).to(out_dtype)
     wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)
-    return _scaled_gemm(_as_grad(grad2d, recipe), wq, out_dtype, recipe)
+    return scaled_gemm(_as_grad(grad2d, recipe), wq, out_dtype, recipe)
 
 
 def fp8_linear_wgrad(
@@ -237,11 +251,11 @@ def fp8_linear_wgrad(
     g = grad2d.data if isinstance(grad2d, Fp8Tensor) else grad2d
     dims = (x2d.shape[0], x2d.shape[1], g.shape[1])
     if not fp8_gemm_fits(*dims):
-        _warn_unaligned("wgrad", dims)
+        warn_unaligned("wgrad", dims)
         return (_grad_values(grad2d).to(x2d.dtype).t() @ x2d).to(out_dtype)
     gq = _as_grad(grad2d, recipe)
     xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps)
-    return _scaled_gemm(Fp8Tensor(gq.data.t(), gq.inv_scale), xq, out_dtype, recipe)
+    return scaled_gemm(Fp8Tensor(gq.data.t(), gq.inv_scale), xq, out_dtype, recipe)
 
 
 def _rows(t: Tensor | Fp8Tensor) -> int:

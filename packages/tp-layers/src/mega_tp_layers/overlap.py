@@ -47,12 +47,13 @@ from mega_tp_layers._comm import (
 from mega_tp_layers.fp8 import (
     Fp8Recipe,
     Fp8Tensor,
-    _scaled_gemm,
-    _warn_unaligned,
     fp8_gemm_fits,
     fp8_linear_wgrad,
     fp8_quantize,
+    fp8_quantize_by_amax,
+    scaled_gemm,
     shared_grad,
+    warn_unaligned,
 )
 
 __all__ = [
@@ -190,7 +191,7 @@ class _ChunkGemm:
                 dims = (weight.shape[0], weight.shape[1], rows)
             self.quantised = fp8_gemm_fits(*dims)
             if not self.quantised:
-                _warn_unaligned(kind, dims)
+                warn_unaligned(kind, dims)
         self._bq: Fp8Tensor | None = None
         self._amax: Tensor | None = None
         self._amax_work: dist.Work | None = None
@@ -208,11 +209,9 @@ class _ChunkGemm:
         if self._amax_work is not None:
             self._amax_work.wait()
             self._amax_work = None
-        fmax = torch.finfo(self.a_dtype).max
-        scale = fmax / self._amax.clamp(min=self.fp8.eps)  # fp8_quantize's arithmetic
-        data = (a.detach().float() * scale).clamp(-fmax, fmax).to(self.a_dtype)
-        self.a_inv_scale = scale.reciprocal()
-        return Fp8Tensor(data, self.a_inv_scale)
+        quantised = fp8_quantize_by_amax(a, self._amax, self.a_dtype, self.fp8.eps)
+        self.a_inv_scale = quantised.inv_scale
+        return quantised
 
     def quantise_whole(self, a: Tensor) -> Tensor | Fp8Tensor:
         """All of ``a`` (held by this rank) as the GEMM takes it: fp8 or as it is."""
@@ -239,7 +238,7 @@ class _ChunkGemm:
             return torch.mm(a, self.b, out=out)
         if self.quantised:
             aq = a if isinstance(a, Fp8Tensor) else self.quantise(a)
-            y = _scaled_gemm(aq, self._weight_fp8(), self.out_dtype, self.fp8)
+            y = scaled_gemm(aq, self._weight_fp8(), self.out_dtype, self.fp8)
         else:  # fp8's high-precision fallback for GEMMs whose dims do not qualify
             assert isinstance(a, Tensor)
             lhs = a if self.kind == "forward" else a.to(self.weight.dtype)
