@@ -72,6 +72,8 @@ def main() -> None:
     for name, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]:
         lines.append(f"  {us / n / 1e3:8.2f} {count / n:7.1f}  {kind_of(name):<9} {name[:110]}")
     text = "\n".join(lines)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 reports
+        return
     print(text, flush=True)
     out = os.environ.get("OUT")
     if out:

@@ -128,3 +128,11 @@ def test_hybrid_model_trains_from_the_cli(tmp_path: Path) -> None:
         ["--model.size", "hybrid-tiny", "--cp", "2", "--dry-run", "--world-size", "2"], tmp_path
     )
     assert bad.returncode == 2 and "not supported for hybrid (Mamba) models" in bad.stderr
+
+
+@pytest.mark.parametrize("word", ["none", "null", "None"])
+def test_optional_fields_unset_from_the_command_line(word: str) -> None:
+    from mega_pretrain.config import load_config
+
+    config = load_config(Path(__file__).parents[3] / "configs/8b.toml", [("parallel.vpp", word)])
+    assert config.parallel.vpp is None  # the file sets vpp = 2

@@ -174,7 +174,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() == "none"):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             if type(None) in args:
                 return None
         errors = []

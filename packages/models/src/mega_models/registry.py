@@ -41,6 +41,21 @@ MODEL_SIZES: dict[str, GPTConfig] = {
         moe_score_function="sigmoid", moe_normalize_topk=True, moe_num_groups=4,
         moe_group_topk=2, moe_expert_bias=True, moe_seq_aux_loss_coeff=1e-4,
     ),
+    # GPU MoE for the ep scaling runs (issue 12), Mixtral-style: 12 layers of 16 experts, top-2.
+    "moe-2b": GPTConfig(
+        vocab_size=32000, hidden_size=2048, num_layers=12, num_attention_heads=16,
+        num_query_groups=4, ffn_hidden_size=5632, max_seq_len=4096, num_experts=16, moe_top_k=2,
+        moe_ffn_hidden_size=1408, moe_aux_loss_coeff=1e-2,
+    ),
+    # GPU MoE, DeepSeek-style fine-grained: a dense first layer, then 64 experts, top-6 in the
+    # best 4 of 8 groups, sigmoid scores, one shared expert, aux-loss-free expert bias.
+    "deepseek-3b": GPTConfig(
+        vocab_size=32000, hidden_size=2048, num_layers=12, num_attention_heads=16,
+        num_query_groups=4, ffn_hidden_size=5632, max_seq_len=4096, num_experts=64, moe_top_k=6,
+        moe_ffn_hidden_size=704, moe_layer_pattern="-" + "E" * 11, moe_shared_expert_size=1408,
+        moe_score_function="sigmoid", moe_normalize_topk=True, moe_num_groups=8,
+        moe_group_topk=4, moe_expert_bias=True, moe_seq_aux_loss_coeff=1e-4,
+    ),
     # Llama-3-8B shape.
     "8b": GPTConfig(
         vocab_size=128256, hidden_size=4096, num_layers=32, num_attention_heads=32,
