@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +139,25 @@ def _device_type() -> str:
 def test_rank_device_follows_backend(dist_pool: DistPool) -> None:
     expected = "cuda" if dist_pool.workers(2).backend == "nccl" else "cpu"
     assert dist_pool.run(_device_type, 2) == [expected, expected]
+
+
+def _connect_fails_once(marker: str) -> int:
+    path = Path(marker)
+    if dist.get_rank() == 1 and not path.exists():
+        path.write_text("failed once")
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc]: Connection closed by peer")
+    return dist.get_rank()
+
+
+def _connect_always_fails() -> None:
+    raise RuntimeError("Gloo connectFullMesh failed with [pair.cc]: Connection closed by peer")
+
+
+def test_transient_gloo_connect_failure_is_retried_once(
+    dist_pool: DistPool, tmp_path: Path
+) -> None:
+    with pytest.warns(UserWarning, match="retrying once"):
+        assert dist_pool.run(_connect_fails_once, 2, args=(str(tmp_path / "marker"),)) == [0, 1]
+    with pytest.warns(UserWarning), pytest.raises(RankFailedError, match="connectFullMesh"):
+        dist_pool.run(_connect_always_fails, 2)
+    assert dist_pool.run(_rank_and_args, 2, args=(1,), kwargs={"b": 2})[1][0] == 1  # recovered

@@ -7,6 +7,7 @@ import os
 import pickle
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +37,10 @@ class RankFailedError(AssertionError):
 
 class RankTimeoutError(TimeoutError):
     """Some ranks did not finish a pooled call in time (a hang, or a peer that died)."""
+
+
+#: A gloo error that says a peer socket closed while a group was being connected.
+_TRANSIENT_CONNECT = "Gloo connectFullMesh failed"
 
 
 @dataclass
@@ -187,11 +192,35 @@ class DistPool:
             )
         mod = sys.modules.get(module)
         file = getattr(mod, "__file__", None)
+        payload = pickle.dumps((tuple(args), kwargs or {}))
+        try:
+            return self._call(world_size, (module, file, qualname, seed), payload, timeout)
+        except RankFailedError as exc:
+            if _TRANSIENT_CONNECT not in str(exc):
+                raise
+            # gloo lost a TCP connection while wiring up a group (port reuse under heavy
+            # socket churn): an infrastructure fault, not the test's. The workers were
+            # replaced; run the call once more on the fresh ones. A group that can never
+            # connect fails the same way twice and is reported.
+            warnings.warn(
+                f"{qualname}: gloo lost a connection while connecting a group; retrying once",
+                stacklevel=2,
+            )
+            return self._call(world_size, (module, file, qualname, seed), payload, timeout)
+
+    def _call(
+        self,
+        world_size: int,
+        where: tuple[str, str | None, str, int],
+        payload: bytes,
+        timeout: float,
+    ) -> list[Any]:
         workers = self.workers(world_size)
         self._calls += 1
         call_id = self._calls
+        module, file, qualname, seed = where
         header = (call_id, module, file, qualname, seed)
-        message = pickle.dumps((header, pickle.dumps((tuple(args), kwargs or {}))))
+        message = pickle.dumps((header, payload))
         for conn in workers.conns:
             conn.send_bytes(message)
         return self._collect(workers, call_id, qualname, timeout)
