@@ -129,6 +129,32 @@ def test_emulated_gemms_equal_the_hand_written_reference_exactly() -> None:
     assert out.dtype == torch.bfloat16
 
 
+def test_backward_reuses_the_forward_quantisation(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mega_tp_layers.fp8 as fp8_module
+
+    m, k, n = 32, 48, 64
+    x, w, g = _randn(m, k, seed=2), _randn(n, k, seed=3) * 0.05, _randn(m, n, seed=4) * 1e-3
+    qx, ix = _hand_qdq(x, E4M3)
+    qw, iw = _hand_qdq(w, E4M3)
+    qg, ig = _hand_qdq(g, E5M2)
+    calls: list[torch.dtype] = []
+    real = fp8_module.fp8_quantize
+
+    def counting(t: Tensor, dtype: torch.dtype, eps: float = 1e-12) -> Any:
+        calls.append(dtype)
+        return real(t, dtype, eps)
+
+    monkeypatch.setattr(fp8_module, "fp8_quantize", counting)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_linear(xr, wr, recipe=EMULATE)
+    y.backward(g)
+    assert xr.grad is not None and wr.grad is not None
+    assert torch.equal(y, (qx @ qw.t()) * (ix * iw))
+    assert torch.equal(xr.grad, (qg @ qw) * (ig * iw))  # the forward's fp8 weight
+    assert torch.equal(wr.grad, (qg.t() @ qx) * (ig * ix))  # the forward's fp8 input
+    assert calls == [E4M3, E4M3, E5M2]  # x and w in forward, the gradient once in backward
+
+
 def test_fp8_linear_matches_fp32_within_the_format_bounds() -> None:
     x, w, b = _randn(S, B, H, seed=6), _randn(FFN, H, seed=7) * 0.2, _randn(FFN, seed=8)
     dy = _randn(S, B, FFN, seed=9)

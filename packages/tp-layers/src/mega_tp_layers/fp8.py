@@ -169,9 +169,19 @@ def warn_unaligned(what: str, dims: tuple[int, ...]) -> None:
     )
 
 
-def _check_pair(what: str, a: Tensor | Fp8Tensor, b: Tensor, a_dim: int, b_dim: int) -> None:
+def _check_pair(
+    what: str,
+    a: Tensor | Fp8Tensor,
+    b: Tensor,
+    a_dim: int,
+    b_dim: int,
+    *,
+    b_quantised: bool = False,
+) -> None:
     shape_a = tuple((a.data if isinstance(a, Fp8Tensor) else a).shape)
     for label, t in (("first", a), ("second", b)):
+        if label == "second" and b_quantised:
+            continue  # the data of an Fp8Tensor
         if not isinstance(t, Fp8Tensor) and t.dtype not in _HIGH_DTYPES:
             raise ValueError(
                 f"{what}: the {label} operand has dtype {t.dtype}; pass an fp32, bf16 or fp16 "
@@ -218,10 +228,12 @@ def fp8_linear_dgrad(
     recipe: Fp8Recipe,
     *,
     out_dtype: torch.dtype | None = None,
+    weight_q: Fp8Tensor | None = None,
 ) -> Tensor:
     """``grad2d @ weight``: ``[M, N] x [N, K] -> [M, K]``, the gradient in ``grad_dtype``.
 
-    ``grad2d`` may be already quantised (an :class:`Fp8Tensor`, shared with the wgrad).
+    ``grad2d`` may be already quantised (an :class:`Fp8Tensor`, shared with the wgrad),
+    and ``weight_q`` may be ``weight`` quantised already (by the forward GEMM).
     The result has ``out_dtype`` (default: ``weight``'s dtype).
     """
     _check_pair("fp8_linear_dgrad", grad2d, weight, 1, 0)
@@ -230,31 +242,35 @@ def fp8_linear_dgrad(
     if not fp8_gemm_fits(*dims):
         warn_unaligned("dgrad", dims)
         return (_grad_values(grad2d).to(weight.dtype) @ weight).to(out_dtype)
-    wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)
+    wq = weight_q if weight_q is not None else fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)
     return scaled_gemm(_as_grad(grad2d, recipe), wq, out_dtype, recipe)
 
 
 def fp8_linear_wgrad(
     grad2d: Tensor | Fp8Tensor,
-    x2d: Tensor,
+    x2d: Tensor | Fp8Tensor,
     recipe: Fp8Recipe,
     *,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``grad2d.T @ x2d``: ``[M, N]^T x [M, K] -> [N, K]``, the weight's gradient.
 
-    ``grad2d`` (in ``grad_dtype``) may be already quantised; ``x2d`` is in ``fwd_dtype``.
-    The result has ``out_dtype`` (default: ``x2d``'s dtype).
+    ``grad2d`` (in ``grad_dtype``) may be already quantised; ``x2d`` is in ``fwd_dtype``,
+    and may be quantised already too (the forward GEMM's fp8 input). The result has
+    ``out_dtype`` (default: ``x2d``'s dtype; bf16 for a quantised ``x2d``).
     """
-    _check_pair("fp8_linear_wgrad", grad2d, x2d, 0, 0)
-    out_dtype = out_dtype if out_dtype is not None else x2d.dtype
+    x_plain = x2d.data if isinstance(x2d, Fp8Tensor) else x2d
+    _check_pair("fp8_linear_wgrad", grad2d, x_plain, 0, 0, b_quantised=isinstance(x2d, Fp8Tensor))
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if isinstance(x2d, Fp8Tensor) else x2d.dtype
     g = grad2d.data if isinstance(grad2d, Fp8Tensor) else grad2d
-    dims = (x2d.shape[0], x2d.shape[1], g.shape[1])
+    dims = (x_plain.shape[0], x_plain.shape[1], g.shape[1])
     if not fp8_gemm_fits(*dims):
         warn_unaligned("wgrad", dims)
-        return (_grad_values(grad2d).to(x2d.dtype).t() @ x2d).to(out_dtype)
+        x_hp = x2d.dequantize() if isinstance(x2d, Fp8Tensor) else x2d
+        return (_grad_values(grad2d).to(x_hp.dtype).t() @ x_hp).to(out_dtype)
     gq = _as_grad(grad2d, recipe)
-    xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps)
+    xq = x2d if isinstance(x2d, Fp8Tensor) else fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps)
     return scaled_gemm(Fp8Tensor(gq.data.t(), gq.inv_scale), xq, out_dtype, recipe)
 
 
@@ -270,28 +286,51 @@ def shared_grad(grad2d: Tensor, in_features: int, recipe: Fp8Recipe) -> Tensor |
 
 
 class _Fp8Linear(Function):
-    """fwd: fp8 GEMM (+ bias) · bwd: fp8 dgrad and wgrad from one quantised gradient"""
+    """fwd: fp8 GEMM (+ bias) · bwd: fp8 dgrad and wgrad from one quantised gradient
+
+    When the GEMMs qualify, backward reuses the fp8 input and weight forward made (the
+    same values a requantisation would give): the input is kept in 1 byte an element
+    instead of 2, and neither is quantised twice.
+    """
 
     @staticmethod
     def forward(
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Fp8Recipe
     ) -> Tensor:
-        ctx.recipe = recipe
-        ctx.save_for_backward(x, weight)  # [tokens, in], high precision; requantised in backward
-        out = fp8_linear_forward(x, weight, recipe)  # [tokens, in] -> [tokens, out]
+        ctx.recipe, ctx.x_dtype = recipe, x.dtype
+        _check_pair("fp8_linear_forward", x, weight, 1, 1)
+        if not fp8_gemm_fits(x.shape[0], x.shape[1], weight.shape[0]):
+            ctx.quantised = False
+            ctx.save_for_backward(x, weight)  # the high-precision fallback needs them as they are
+            out = fp8_linear_forward(x, weight, recipe)  # warns once, runs in high precision
+            return out if bias is None else out + bias
+        ctx.quantised = True
+        xq = fp8_quantize(x, recipe.fwd_dtype, recipe.eps)  # [tokens, in]
+        wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)  # [out, in]
+        ctx.save_for_backward(xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight)
+        out = scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), x.dtype, recipe)
         return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
         recipe: Fp8Recipe = ctx.recipe
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g = shared_grad(grad, weight.shape[1], recipe) if need_x or need_w else grad
         grad_x = grad_w = grad_b = None
-        if need_x:
-            grad_x = fp8_linear_dgrad(g, weight, recipe, out_dtype=x.dtype)
-        if need_w:
-            grad_w = fp8_linear_wgrad(g, x, recipe, out_dtype=weight.dtype)
+        if ctx.quantised:
+            x_data, x_inv, w_data, w_inv, weight = ctx.saved_tensors
+            xq, wq = Fp8Tensor(x_data, x_inv), Fp8Tensor(w_data, w_inv)
+            g = shared_grad(grad, weight.shape[1], recipe) if need_x or need_w else grad
+            if need_x:
+                grad_x = fp8_linear_dgrad(g, weight, recipe, out_dtype=ctx.x_dtype, weight_q=wq)
+            if need_w:
+                grad_w = fp8_linear_wgrad(g, xq, recipe, out_dtype=weight.dtype)
+        else:
+            x, weight = ctx.saved_tensors
+            g = shared_grad(grad, weight.shape[1], recipe) if need_x or need_w else grad
+            if need_x:
+                grad_x = fp8_linear_dgrad(g, weight, recipe, out_dtype=x.dtype)
+            if need_w:
+                grad_w = fp8_linear_wgrad(g, x, recipe, out_dtype=weight.dtype)
         if need_b:
             grad_b = grad.sum(dim=0)
         return grad_x, grad_w, grad_b, None
