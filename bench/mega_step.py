@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step per dp rank")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--pp-layers", default="", help="layers per virtual stage, e.g. 13,11")
     ap.add_argument("--ep", type=int, default=1, help="expert parallel (MoE sizes)")
     ap.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: tp)")
     ap.add_argument("--sp", action="store_true")
@@ -74,6 +75,7 @@ def main() -> None:
         ("train.compile", str(args.compile).lower()),
         ("train.recompute", args.recompute), ("parallel.tp", str(args.tp)), ("parallel.pp", str(args.pp)),
         ("parallel.ep", str(args.ep)), ("parallel.etp", str(args.etp).lower()),
+        ("parallel.pp_layers", args.pp_layers),
         ("parallel.sequence_parallel", str(args.sp).lower()),
         ("parallel.tp_comm_overlap", str(args.tp_comm_overlap).lower()),
     ]  # fmt: skip
@@ -119,7 +121,7 @@ def main() -> None:
     result = {
         "system": f"mega{'-compile' if args.compile else '-eager'}{'-fp8' if args.fp8 else ''}",
         "size": args.size, "mb": args.mb,
-        "tp": args.tp, "pp": args.pp, "ep": args.ep, "dp": dp, "sp": args.sp, "world": world,
+        "tp": args.tp, "pp": args.pp, "pp_layers": args.pp_layers, "ep": args.ep, "dp": dp, "sp": args.sp, "world": world,
         "tp_comm_overlap": args.tp_comm_overlap,
         "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world, "step_ms_median": med,
         "step_ms_min": min(times), "step_ms_max": max(times), "flops_per_token": flops,

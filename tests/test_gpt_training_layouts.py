@@ -165,6 +165,8 @@ LAYOUTS = [
     {"tp": 2, "pp": 2, "distributed_optimizer": True, "overlap_grad_reduce": True},
     {"tp": 2, "cp": 2, "sequence_parallel": True},
     {"pp": 2, "cp": 2},
+    {"pp": 2, "pp_layers": "5,3"},  # uneven: the last stage also holds the head and loss
+    {"pp": 2, "vpp": 2, "pp_layers": "1,3,2,2"},
 ]
 
 

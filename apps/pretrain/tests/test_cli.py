@@ -42,6 +42,10 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
             ["--model.num_layers", "6", "--pp", "4", "--world-size", "4"],
             "num_layers (6) is not divisible into pp*vpp",
         ),
+        (
+            ["--pp", "2", "--parallel.pp_layers", "3,4", "--world-size", "2"],
+            "parallel.pp_layers [3, 4] must give 2 positive layer counts",
+        ),
         (["--config", "missing.toml"], "config file 'missing.toml' does not exist"),
         (["--train.lr"], "setting --train.lr has no value"),
     ],

@@ -50,6 +50,7 @@ def test_total_parameters_are_exact(dist_pool: DistPool, size: str) -> None:
 LAYOUTS = {
     "tiny-tp2": ("tiny", (("tp", "2"),)),
     "tiny-pp2": ("tiny", (("pp", "2"),)),
+    "tiny-pp2-uneven": ("tiny", (("pp", "2"), ("parallel.pp_layers", "5,3"))),
     "mixtral-ep2": ("mixtral-tiny", (("ep", "2"),)),
     "moe-tp2-ep2-etp1": ("moe-tiny", (("tp", "2"), ("ep", "2"), ("etp", "1"))),
     "hybrid-moe-ep2": ("hybrid-moe-tiny", (("ep", "2"),)),

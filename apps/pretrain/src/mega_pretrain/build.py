@@ -101,7 +101,8 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     }  # fmt: skip
     chunks: list[ModelChunk] = []
     for index in range(vpp or 1):
-        stage = stage_spec(model.num_layers, pp, groups.rank("pp"), vpp, index)
+        split = p.pp_layers or None  # None: an even split
+        stage = stage_spec(model.num_layers, pp, groups.rank("pp"), vpp, index, split)
         if isinstance(model, HybridConfig):
             if t.fp8:
                 raise ValueError(

@@ -45,6 +45,10 @@ class ParallelSection:
     """Expert tensor-parallel size (default: tp)."""
     vpp: int | None = None
     """Virtual pipeline chunks per pp rank (interleaved 1F1B)."""
+    pp_layers: tuple[int, ...] = ()
+    """Layers per virtual stage, in pipeline order (``pp * vpp`` counts adding up to the
+    layers), e.g. ``13,11`` to give the last stage, which also holds the output layer and
+    the loss, fewer; empty: an even split."""
     sequence_parallel: bool = False
     """Split norms and dropout along the sequence over tp (needs tp > 1)."""
     tp_comm_overlap: bool = False

@@ -81,7 +81,13 @@ def estimate(config: TrainerConfig, model: GPTConfig, dp: int) -> Estimate:
     vocab = model.vocab_size * model.hidden_size
     matrices = 1 if model.tie_embeddings else 2  # input embedding and output layer
     per_layer = (total - experts - matrices * vocab) / model.num_layers
+    # the busiest pp rank: its virtual stages' layers (an even split unless pp_layers is given)
     layers_per_stage = model.num_layers / p.pp
+    if p.pp_layers:
+        chunks = p.vpp or 1
+        layers_per_stage = max(
+            sum(p.pp_layers[c * p.pp + r] for c in range(chunks)) for r in range(p.pp)
+        )
     # the busiest stage holds the embedding or the output layer (a tied copy too), both at pp 1
     embed = vocab * (matrices if p.pp == 1 else 1)
     dense_rank = int((per_layer * layers_per_stage + embed) / p.tp)

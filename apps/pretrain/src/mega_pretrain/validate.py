@@ -83,10 +83,19 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
     if isinstance(model, HybridConfig) and p.cp > 1:
         raise ValueError(f"cp ({p.cp}) > 1 is not supported for hybrid (Mamba) models; use cp = 1")
     stages = p.pp * (p.vpp or 1)
-    if model.num_layers % stages:
+    if p.pp_layers:
+        counts = list(p.pp_layers)
+        if len(counts) != stages or sum(counts) != model.num_layers or min(counts) < 1:
+            raise ValueError(
+                f"parallel.pp_layers {counts} must give {stages} positive layer counts, one per "
+                f"virtual stage (pp*vpp = {p.pp}*{p.vpp or 1}), adding up to model.num_layers "
+                f"({model.num_layers})"
+            )
+    elif model.num_layers % stages:
         raise ValueError(
             f"model.num_layers ({model.num_layers}) is not divisible into pp*vpp "
-            f"({p.pp}*{p.vpp or 1} = {stages}) stages; change the layer count or the sizes"
+            f"({p.pp}*{p.vpp or 1} = {stages}) stages; change the layer count or the sizes, "
+            "or give parallel.pp_layers"
         )
     if p.ep > 1 and not model.is_moe:
         raise ValueError(
