@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _moe_harness import run_case
@@ -49,3 +51,42 @@ def test_capacity_with_expert_tensor_parallel(dist_pool: DistPool) -> None:
     router = RouterConfig(num_experts=8, top_k=2, capacity_factor=0.75, pad_to_capacity=True)
     cfg = MoEConfig(router=router, ffn_hidden_size=32, experts="sequential")
     dist_pool.run(run_case, 4, args=(cfg,), kwargs={"ep": 2, "etp": 2})
+
+
+def _no_host_sync_when_padded() -> int:
+    from mega_moe import MoELayer
+    from mega_parallel_grid import ParallelConfig, init_process_groups
+    from mega_parallel_grid.testing import rank_device
+
+    groups = init_process_groups(ParallelConfig(ep=2))
+    router = RouterConfig(num_experts=8, top_k=2, capacity_factor=1.0, pad_to_capacity=True)
+    cfg = MoEConfig(router=router, ffn_hidden_size=32)
+    dev = rank_device()
+    layer = MoELayer(
+        16, cfg, ep_group=groups.ep, etp_group=groups.etp, tp_group=groups.tp, device=dev
+    )
+    x = torch.randn(6, 2, 16, device=dev, requires_grad=True)  # [s, b, h]
+    layer(x).sum().backward()  # warm-up outside the check
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("host sync in the padded all-to-all dispatch")
+
+    dispatched = layer.dispatcher.dispatch
+    calls = []
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        saved = (torch.Tensor.tolist, torch.Tensor.item)
+        torch.Tensor.tolist, torch.Tensor.item = forbidden, forbidden  # type: ignore[method-assign,assignment]
+        try:
+            return dispatched(*args, **kwargs)
+        finally:
+            torch.Tensor.tolist, torch.Tensor.item = saved  # type: ignore[method-assign]
+
+    layer.dispatcher.dispatch = checked  # type: ignore[method-assign]
+    layer(x).sum().backward()
+    return len(calls)
+
+
+def test_padded_all_to_all_needs_no_host_sync(dist_pool: DistPool) -> None:
+    assert dist_pool.run(_no_host_sync_when_padded, 2) == [1, 1]

@@ -115,7 +115,10 @@ class AllToAllDispatcher(_Dispatcher):
     """Each rank sends each token to the ranks that hold its experts, with one all-to-all.
 
     The per-rank counts travel first (a small all-to-all, then one host sync for the split
-    sizes). ``during`` runs while the token all-to-all is in flight (shared experts).
+    sizes). With ``pad_to_capacity`` every (rank, expert) chunk has exactly ``capacity``
+    rows, so the sizes are known without either: that mode assumes every ep rank routes the
+    same number of tokens (the same micro-batch shape), as a trainer's ranks do. ``during``
+    runs while the token all-to-all is in flight (shared experts).
     """
 
     def dispatch(
@@ -132,10 +135,20 @@ class AllToAllDispatcher(_Dispatcher):
             perm, counts = sort_by_expert(routing.routing_map, per_token)  # counts [E]
         weights = perm.weights(routing.probs)  # [M_send]
         send = perm.gather(tokens)  # [N, h] -> [M_send, h] expert-major
-        recv = all_to_all_no_grad(counts.view(ep, local), self.ep_group)  # [ep, L] to me
-        chunks = all_gather_no_grad(recv, self.etp_group)  # [etp, ep, L]
-        host = torch.cat([counts.view(ep, local).sum(dim=1), chunks.flatten()]).tolist()
-        send_splits, chunk_host = host[:ep], host[ep:]
+        etp_size = group_size(self.etp_group)
+        if routing.pad_to_capacity:
+            # every chunk is exactly `capacity` rows (each rank routes as many tokens), so
+            # the split sizes are known on the host: no count exchange, no host sync
+            assert routing.capacity is not None
+            cap = routing.capacity
+            shape = (etp_size, ep, local)
+            chunks = torch.full(shape, cap, dtype=torch.long, device=tokens.device)
+            send_splits, chunk_host = [cap * local] * ep, [cap] * (etp_size * ep * local)
+        else:
+            recv = all_to_all_no_grad(counts.view(ep, local), self.ep_group)  # [ep, L] to me
+            chunks = all_gather_no_grad(recv, self.etp_group)  # [etp, ep, L]
+            host = torch.cat([counts.view(ep, local).sum(dim=1), chunks.flatten()]).tolist()
+            send_splits, chunk_host = host[:ep], host[ep:]
         mine = group_rank(self.etp_group) * ep * local
         recv_splits = [
             sum(chunk_host[mine + p * local : mine + (p + 1) * local]) for p in range(ep)
