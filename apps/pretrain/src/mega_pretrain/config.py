@@ -75,7 +75,8 @@ class TrainConfig:
     seq_len: int = 128
     """Tokens per sample."""
     micro_batch_size: int = 8
-    """Samples per micro-batch on each dp rank."""
+    """Samples per micro-batch on each dp rank; 0 picks the largest that the memory estimate
+    fits on the device (see ``run.memory_gib``)."""
     global_batch_size: int = 16
     """Samples per optimizer step over all dp ranks (micro * dp * accumulation)."""
     lr: float = 3e-3
@@ -160,6 +161,8 @@ class RunConfig:
     """Peak TFLOP/s per device for MFU (default: from the detected GPU)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train."""
+    memory_gib: float | None = None
+    """Memory per device for ``train.micro_batch_size = 0`` (auto); default: the GPU's."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import torch
+
+from mega_pretrain.auto_batch import resolve_micro_batch
 from mega_pretrain.build import gpt_config
 from mega_pretrain.config import TrainerConfig, config_to_dict
 from mega_pretrain.estimate import estimate
@@ -19,9 +22,12 @@ def _gib(n: float) -> str:
 def dry_run(config: TrainerConfig, world_size: int) -> str:
     """Everything a user checks before launching, computed without any process or tensor."""
     model = gpt_config(config)
+    memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    config, auto_line = resolve_micro_batch(config, model, world_size, memory)
     layout = check_config(config, model, world_size)
     est = estimate(config, model, layout.dp)
     lines = [
+        *([auto_line] if auto_line is not None else []),
         "resolved config:",
         json.dumps(config_to_dict(config), indent=2),
         f"model: {config.model.size} {model}",

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from mega_models import GPTConfig, GPTModel, HybridModel
 from mega_parallel_grid import init_process_groups
+from mega_pretrain.auto_batch import resolve_micro_batch
 from mega_pretrain.build import build, flops_per_token, gpt_config, parallel_config, param_dtype
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mega_pretrain.config import TrainerConfig, config_to_dict
@@ -95,13 +96,19 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     """Train as ``config`` says; resumes from the run folder's latest checkpoint by default."""
     model = gpt_config(config)
     world = world_size_from_env()
-    check_config(config, model, world)  # before any process group exists
     device = pick_device(config.run.device)
+    memory = (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    )
+    config, auto_line = resolve_micro_batch(config, model, world, memory)
+    check_config(config, model, world)  # before any process group exists
     start_distributed(device, timedelta(minutes=10))
     groups = init_process_groups(parallel_config(config), timeout=timedelta(minutes=10))
     rank0 = dist.get_rank() == 0
     if console is None or not rank0:  # output goes to rank 0 only
         console = Console(quiet=not rank0)
+    if auto_line is not None:
+        console.print(auto_line)
     t, p = config.train, config.parallel
     run_dir = Path(config.run.out_dir) / config.run.name
     if rank0:
