@@ -164,13 +164,16 @@ def test_overlap_matches_plain_sequence_parallel(
     dist_pool: DistPool, kind: str, tp: int, fp8: bool, bias: bool
 ) -> None:
     results = dist_pool.run(_check_block, tp, args=(kind, tp, fp8, bias))
-    amax = int(fp8)  # one scalar max all-reduce per gathered fp8 operand
-    # forward: two rings of tp - 1 steps, no all-gather or reduce-scatter collective;
-    # backward: two rings, and the all-gather that rebuilds the column input for wgrad
+    amax = int(fp8)  # one scalar max all-reduce per fp8 operand held in shards over tp
+    # forward: two rings of tp - 1 steps, no all-gather or reduce-scatter collective; fp8:
+    # the column's gathered input and weight shard, the row's input and weight shards.
+    # backward: two rings, and the all-gather that rebuilds the column input for wgrad; fp8:
+    # the row's gathered output gradient, its weight (dgrad) and input (wgrad) shards, the
+    # column's output-gradient and weight shards
     expected = {
-        "forward": Counter(batch_isend_irecv=2 * (tp - 1), all_reduce=amax),
+        "forward": Counter(batch_isend_irecv=2 * (tp - 1), all_reduce=4 * amax),
         "backward": Counter(batch_isend_irecv=2 * (tp - 1), all_gather_into_tensor=1,
-                            all_reduce=amax),
+                            all_reduce=5 * amax),
     }  # fmt: skip
     for calls in results:
         assert calls == {k: +v for k, v in expected.items()}

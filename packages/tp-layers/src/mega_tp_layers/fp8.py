@@ -30,6 +30,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 from torch.autograd import Function
+from torch.distributed import ProcessGroup
+
+from mega_tp_layers._comm import all_reduce_max, group_size
 
 __all__ = [
     "FP8_ALIGNMENT",
@@ -113,15 +116,25 @@ def fp8_gemm_fits(*dims: int) -> bool:
     return all(d % FP8_ALIGNMENT == 0 for d in dims)
 
 
-def fp8_quantize(x: Tensor, dtype: torch.dtype, eps: float = 1e-12) -> Fp8Tensor:
-    """``x`` in the fp8 ``dtype`` with one scale for the whole tensor (its current amax)."""
+def fp8_quantize(
+    x: Tensor, dtype: torch.dtype, eps: float = 1e-12, group: ProcessGroup | None = None
+) -> Fp8Tensor:
+    """``x`` in the fp8 ``dtype`` with one scale for the whole tensor (its current amax).
+
+    With ``group``, ``x`` is this rank's shard of a tensor split over the group: the amax
+    is the max over every rank's shard (one scalar all-reduce, no host sync), so each shard
+    is quantised exactly as the whole tensor would be.
+    """
     if dtype not in _FP8_DTYPES:
         raise ValueError(
             f"fp8_quantize dtype ({dtype}) is not an fp8 format; "
             "use torch.float8_e4m3fn or torch.float8_e5m2"
         )
     x32 = x.detach().float()
-    return fp8_quantize_by_amax(x32, x32.abs().amax(), dtype, eps)
+    amax = x32.abs().amax()
+    if group is not None and group_size(group) > 1:
+        all_reduce_max(amax, group)  # the whole tensor's amax
+    return fp8_quantize_by_amax(x32, amax, dtype, eps)
 
 
 def fp8_quantize_by_amax(
@@ -194,10 +207,12 @@ def _check_pair(
         )
 
 
-def _as_grad(grad2d: Tensor | Fp8Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
+def _as_grad(
+    grad2d: Tensor | Fp8Tensor, recipe: Fp8Recipe, group: ProcessGroup | None = None
+) -> Fp8Tensor:
     if isinstance(grad2d, Fp8Tensor):
         return grad2d
-    return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps)
+    return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps, group)
 
 
 def _grad_values(grad2d: Tensor | Fp8Tensor) -> Tensor:
@@ -205,11 +220,19 @@ def _grad_values(grad2d: Tensor | Fp8Tensor) -> Tensor:
 
 
 def fp8_linear_forward(
-    x2d: Tensor, weight: Tensor, recipe: Fp8Recipe, *, out_dtype: torch.dtype | None = None
+    x2d: Tensor,
+    weight: Tensor,
+    recipe: Fp8Recipe,
+    *,
+    out_dtype: torch.dtype | None = None,
+    x_group: ProcessGroup | None = None,
+    w_group: ProcessGroup | None = None,
 ) -> Tensor:
     """``x2d @ weight.T``: ``[M, K] x [N, K] -> [M, N]``, both in ``recipe.fwd_dtype``.
 
-    The result has ``out_dtype`` (default: ``x2d``'s dtype).
+    The result has ``out_dtype`` (default: ``x2d``'s dtype). ``x_group`` / ``w_group``: the
+    group an operand is a shard of (its scale is then the whole tensor's, see
+    :func:`fp8_quantize`); the same for the ``*_group`` arguments of the other GEMMs.
     """
     _check_pair("fp8_linear_forward", x2d, weight, 1, 1)
     out_dtype = out_dtype if out_dtype is not None else x2d.dtype
@@ -217,8 +240,8 @@ def fp8_linear_forward(
     if not fp8_gemm_fits(*dims):
         warn_unaligned("forward", dims)
         return (x2d @ weight.t()).to(out_dtype)
-    xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps)
-    wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)
+    xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, x_group)
+    wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, w_group)
     return scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe)
 
 
@@ -229,6 +252,8 @@ def fp8_linear_dgrad(
     *,
     out_dtype: torch.dtype | None = None,
     weight_q: Fp8Tensor | None = None,
+    g_group: ProcessGroup | None = None,
+    w_group: ProcessGroup | None = None,
 ) -> Tensor:
     """``grad2d @ weight``: ``[M, N] x [N, K] -> [M, K]``, the gradient in ``grad_dtype``.
 
@@ -242,8 +267,9 @@ def fp8_linear_dgrad(
     if not fp8_gemm_fits(*dims):
         warn_unaligned("dgrad", dims)
         return (_grad_values(grad2d).to(weight.dtype) @ weight).to(out_dtype)
-    wq = weight_q if weight_q is not None else fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)
-    return scaled_gemm(_as_grad(grad2d, recipe), wq, out_dtype, recipe)
+    if weight_q is None:
+        weight_q = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, w_group)
+    return scaled_gemm(_as_grad(grad2d, recipe, g_group), weight_q, out_dtype, recipe)
 
 
 def fp8_linear_wgrad(
@@ -252,6 +278,8 @@ def fp8_linear_wgrad(
     recipe: Fp8Recipe,
     *,
     out_dtype: torch.dtype | None = None,
+    g_group: ProcessGroup | None = None,
+    x_group: ProcessGroup | None = None,
 ) -> Tensor:
     """``grad2d.T @ x2d``: ``[M, N]^T x [M, K] -> [N, K]``, the weight's gradient.
 
@@ -269,8 +297,11 @@ def fp8_linear_wgrad(
         warn_unaligned("wgrad", dims)
         x_hp = x2d.dequantize() if isinstance(x2d, Fp8Tensor) else x2d
         return (_grad_values(grad2d).to(x_hp.dtype).t() @ x_hp).to(out_dtype)
-    gq = _as_grad(grad2d, recipe)
-    xq = x2d if isinstance(x2d, Fp8Tensor) else fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps)
+    gq = _as_grad(grad2d, recipe, g_group)
+    if isinstance(x2d, Fp8Tensor):
+        xq = x2d
+    else:
+        xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, x_group)
     return scaled_gemm(Fp8Tensor(gq.data.t(), gq.inv_scale), xq, out_dtype, recipe)
 
 
@@ -278,10 +309,12 @@ def _rows(t: Tensor | Fp8Tensor) -> int:
     return int((t.data if isinstance(t, Fp8Tensor) else t).shape[0])
 
 
-def shared_grad(grad2d: Tensor, in_features: int, recipe: Fp8Recipe) -> Tensor | Fp8Tensor:
+def shared_grad(
+    grad2d: Tensor, in_features: int, recipe: Fp8Recipe, group: ProcessGroup | None = None
+) -> Tensor | Fp8Tensor:
     """The output gradient quantised once for both backward GEMMs, when they qualify."""
     if fp8_gemm_fits(grad2d.shape[0], grad2d.shape[1], in_features):
-        return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps)
+        return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps, group)
     return grad2d
 
 
@@ -295,9 +328,15 @@ class _Fp8Linear(Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Fp8Recipe
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        recipe: Fp8Recipe,
+        groups: tuple[ProcessGroup | None, ProcessGroup | None, ProcessGroup | None],
     ) -> Tensor:
-        ctx.recipe, ctx.x_dtype = recipe, x.dtype
+        ctx.recipe, ctx.x_dtype, ctx.groups = recipe, x.dtype, groups
+        x_group, w_group, _ = groups
         _check_pair("fp8_linear_forward", x, weight, 1, 1)
         if not fp8_gemm_fits(x.shape[0], x.shape[1], weight.shape[0]):
             ctx.quantised = False
@@ -305,8 +344,8 @@ class _Fp8Linear(Function):
             out = fp8_linear_forward(x, weight, recipe)  # warns once, runs in high precision
             return out if bias is None else out + bias
         ctx.quantised = True
-        xq = fp8_quantize(x, recipe.fwd_dtype, recipe.eps)  # [tokens, in]
-        wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps)  # [out, in]
+        xq = fp8_quantize(x, recipe.fwd_dtype, recipe.eps, x_group)  # [tokens, in]
+        wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, w_group)  # [out, in]
         ctx.save_for_backward(xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight)
         out = scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), x.dtype, recipe)
         return out if bias is None else out + bias
@@ -314,35 +353,44 @@ class _Fp8Linear(Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         recipe: Fp8Recipe = ctx.recipe
+        g_group = ctx.groups[2]  # the saved input and weight are quantised already
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if ctx.quantised:
             x_data, x_inv, w_data, w_inv, weight = ctx.saved_tensors
             xq, wq = Fp8Tensor(x_data, x_inv), Fp8Tensor(w_data, w_inv)
-            g = shared_grad(grad, weight.shape[1], recipe) if need_x or need_w else grad
+            g = shared_grad(grad, weight.shape[1], recipe, g_group) if need_x or need_w else grad
             if need_x:
                 grad_x = fp8_linear_dgrad(g, weight, recipe, out_dtype=ctx.x_dtype, weight_q=wq)
             if need_w:
                 grad_w = fp8_linear_wgrad(g, xq, recipe, out_dtype=weight.dtype)
         else:
-            x, weight = ctx.saved_tensors
-            g = shared_grad(grad, weight.shape[1], recipe) if need_x or need_w else grad
+            x, weight = ctx.saved_tensors  # the high-precision fallback: no quantisation
             if need_x:
-                grad_x = fp8_linear_dgrad(g, weight, recipe, out_dtype=x.dtype)
+                grad_x = fp8_linear_dgrad(grad, weight, recipe, out_dtype=x.dtype)
             if need_w:
-                grad_w = fp8_linear_wgrad(g, x, recipe, out_dtype=weight.dtype)
+                grad_w = fp8_linear_wgrad(grad, x, recipe, out_dtype=weight.dtype)
         if need_b:
             grad_b = grad.sum(dim=0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def fp8_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, recipe: Fp8Recipe
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    recipe: Fp8Recipe,
+    x_group: ProcessGroup | None = None,
+    w_group: ProcessGroup | None = None,
+    g_group: ProcessGroup | None = None,
 ) -> Tensor:
     """``F.linear(x, weight, bias)`` with its forward, dgrad and wgrad GEMMs in fp8.
 
     ``x`` is ``[..., in]``; the bias is added in high precision and its gradient is the
-    high-precision sum of the output gradient.
+    high-precision sum of the output gradient. ``x_group`` / ``w_group`` / ``g_group``:
+    the group that ``x``, ``weight`` or the output gradient is a shard of, so that each is
+    scaled as the whole tensor (tensor parallelism then quantises as one process would).
     """
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -350,5 +398,5 @@ def fp8_linear(
             f"{tuple(x.shape)} and {tuple(weight.shape)}; pass a weight of in_features columns"
         )
     x2d = x.reshape(-1, x.shape[-1])  # [..., in] -> [tokens, in]
-    out: Tensor = _Fp8Linear.apply(x2d, weight, bias, recipe)
+    out: Tensor = _Fp8Linear.apply(x2d, weight, bias, recipe, (x_group, w_group, g_group))
     return out.view(*x.shape[:-1], weight.shape[0])  # a view outside the Function

@@ -87,9 +87,8 @@ class _ColumnParallelMatmul(Function):
         total = all_gather_dim0(x, group)[0] if sequence_parallel else x  # [s/tp,b,h] -> [s,b,h]
         if fp8 is None:
             return F.linear(total, weight, bias)  # [s, b, h] -> [s, b, out/tp]
-        out = fp8_linear_forward(
-            total, weight, fp8
-        )  # fp8 inputs are 2-D: [s*b, h] -> [s*b, out/tp]
+        # fp8 inputs are 2-D: [s*b, h] -> [s*b, out/tp]; the weight shard scaled as the whole
+        out = fp8_linear_forward(total, weight, fp8, w_group=group)
         return out if bias is None else out + bias
 
     @staticmethod
@@ -103,13 +102,13 @@ class _ColumnParallelMatmul(Function):
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [s*b, out/tp]
         g8: Tensor | Fp8Tensor = grad_2d
         if fp8 is not None and (need_x or need_w):  # quantised once for dgrad and wgrad
-            g8 = shared_grad(grad_2d, weight.shape[1], fp8)
+            g8 = shared_grad(grad_2d, weight.shape[1], fp8, group)  # a shard of the gradient
         grad_input, pending = None, None
         if need_x:
             if fp8 is None:
                 grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
             else:
-                grad_input = fp8_linear_dgrad(g8, weight, fp8, out_dtype=x.dtype)
+                grad_input = fp8_linear_dgrad(g8, weight, fp8, out_dtype=x.dtype, w_group=group)
             if sp:
                 if gather is not None:
                     gather.wait()
@@ -450,7 +449,9 @@ class RowParallelLinear(ShardedModule):
             return out if bias is None else out + bias
         # [s, b, in/tp] -> [s, b, out], partial over tp
         partial = (
-            F.linear(x, self.weight) if fp8 is None else fp8_linear(x, self.weight, recipe=fp8)
+            F.linear(x, self.weight)
+            if fp8 is None  # the input and weight are shards over tp: scaled as the wholes
+            else fp8_linear(x, self.weight, recipe=fp8, x_group=group, w_group=group)
         )
         if sp:
             out = reduce_scatter_to_sequence_region(partial, group)  # -> [s/tp, b, out]

@@ -176,10 +176,14 @@ class _ChunkGemm:
         fp8: Fp8Recipe | None,
         out_dtype: torch.dtype,
         bias: Tensor | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
+        # group: the tp group the weight (and a whole-held ``a``) are shards over, so their
+        # fp8 scales are the whole tensors'
         self.kind, self.weight, self.fp8, self.out_dtype, self.bias = (
             kind, weight, fp8, out_dtype, bias,
         )  # fmt: skip
+        self.group = group
         self.b = weight.t() if kind == "forward" else weight  # [K, N]
         self.quantised = False
         self.a_dtype = torch.float8_e4m3fn
@@ -218,12 +222,12 @@ class _ChunkGemm:
         if not self.quantised:
             return a
         assert self.fp8 is not None
-        return fp8_quantize(a, self.a_dtype, self.fp8.eps)
+        return fp8_quantize(a, self.a_dtype, self.fp8.eps, self.group)
 
     def _weight_fp8(self) -> Fp8Tensor:
         if self._bq is None:
             assert self.fp8 is not None
-            wq = fp8_quantize(self.weight, self.fp8.fwd_dtype, self.fp8.eps)
+            wq = fp8_quantize(self.weight, self.fp8.fwd_dtype, self.fp8.eps, self.group)
             # column-major [K, N], as _scaled_mm takes it, laid out once for all chunks
             data = wq.data.t() if self.kind == "forward" else wq.data.t().contiguous().t()
             self._bq = Fp8Tensor(data, wq.inv_scale)
@@ -265,7 +269,7 @@ class _AllGatherLinear(Function):
         ctx.group, ctx.fp8 = group, fp8
         ctx.save_for_backward(x, weight)  # only the local rows, as without the overlap
         m, size = x.shape[0], group_size(group)
-        gemm = _ChunkGemm("forward", weight, m * size, fp8, x.dtype, bias)
+        gemm = _ChunkGemm("forward", weight, m * size, fp8, x.dtype, bias, group)
         gemm.start_amax(x, group)
         out = x.new_empty((m * size, weight.shape[0]))  # [s*b, out/tp]
 
@@ -286,7 +290,7 @@ class _AllGatherLinear(Function):
             total, gather = all_gather_dim0(x, group, async_op=True)
         g8: Tensor | Fp8Tensor = grad  # [s*b, out/tp]
         if fp8 is not None and (need_x or need_w):  # quantised once for dgrad and wgrad
-            g8 = shared_grad(grad, weight.shape[1], fp8)
+            g8 = shared_grad(grad, weight.shape[1], fp8, group)  # a shard of the gradient
         result: dict[str, Tensor] = {}
 
         def weight_grads() -> None:
@@ -302,7 +306,7 @@ class _AllGatherLinear(Function):
         grad_input = None
         if need_x:
             m = x.shape[0]
-            gemm = _ChunkGemm("dgrad", weight, grad.shape[0], fp8, x.dtype)
+            gemm = _ChunkGemm("dgrad", weight, grad.shape[0], fp8, x.dtype, group=group)
             grad_input = ring_reduce_scatter(
                 lambda dest: gemm(_rows(g8, dest, m)),  # [m, out/tp] -> [m, h], partial
                 group,
@@ -324,7 +328,7 @@ class _LinearReduceScatter(Function):
         ctx.save_for_backward(x, weight)
         rows, size = x.shape[0], group_size(group)
         m = rows // size
-        gemm = _ChunkGemm("forward", weight, rows, fp8, x.dtype)
+        gemm = _ChunkGemm("forward", weight, rows, fp8, x.dtype, group=group)
         xa = gemm.quantise_whole(x)  # [s*b, in/tp]
         # [m, in/tp] -> [m, out] per destination rank, summed over tp around the ring
         return ring_reduce_scatter(lambda dest: gemm(_rows(xa, dest, m)), group)
@@ -336,7 +340,7 @@ class _LinearReduceScatter(Function):
         group: ProcessGroup = ctx.group
         fp8: Fp8Recipe | None = ctx.fp8
         m, rows = grad.shape[0], x.shape[0]
-        gemm = _ChunkGemm("dgrad", weight, rows, fp8, x.dtype)
+        gemm = _ChunkGemm("dgrad", weight, rows, fp8, x.dtype, group=group)
         gemm.start_amax(grad, group)
         grad_input = x.new_empty(x.shape) if need_x else None  # [s*b, in/tp]
         g8_full = None
@@ -361,7 +365,7 @@ class _LinearReduceScatter(Function):
                 if g8_full is not None:
                     assert gemm.a_inv_scale is not None
                     g = Fp8Tensor(g8_full, gemm.a_inv_scale)
-                grad_weight = fp8_linear_wgrad(g, x, fp8, out_dtype=weight.dtype)
+                grad_weight = fp8_linear_wgrad(g, x, fp8, out_dtype=weight.dtype, x_group=group)
         return grad_input, grad_weight, None, None
 
 
