@@ -7,14 +7,14 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import zigzag_positions
 from mega_models.head import Embedding, embed, lm_head, make_head, mark_tied_copy
-from mega_models.layer import TransformerLayer, rng_checkpoint_contexts
+from mega_models.layer import TransformerLayer
 from mega_models.norms import Norm
 from mega_models.rope import rope_tables
+from mega_models.stage_body import run_stage
 from mega_models.stages import StageSpec, stage_spec
 from mega_parallel_grid import ProcessGroups
 from mega_tp_layers import (
@@ -147,22 +147,4 @@ class GPTModel(nn.Module):
             if c.position == "rope"
             else None
         )
-        for layer in self.layers.values():
-            if self.recompute == "full" and self.training:
-                hidden = checkpoint(
-                    layer, hidden, rope, seq_len, use_reentrant=False,
-                    context_fn=rng_checkpoint_contexts(self.rng),
-                )  # fmt: skip
-            else:
-                hidden = layer(hidden, rope, seq_len)
-            assert isinstance(hidden, Tensor)
-        if not self.stage.last:
-            out: Tensor = hidden
-            return out
-        assert self.final_norm is not None
-        return self.head_fn(
-            hidden, labels, final_norm=self.final_norm, output=self.output,
-            tied_weight=self.embedding.word.weight if self.embedding is not None else None,
-            tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
-            vocab_size=self.config.vocab_size,
-        )  # fmt: skip
+        return run_stage(self, self.layers.values(), hidden, labels, rope, seq_len)

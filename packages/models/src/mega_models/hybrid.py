@@ -9,16 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.utils.checkpoint import checkpoint
 
 from mega_models.attention import SelfAttention
 from mega_models.head import Embedding, embed, lm_head, make_head, mark_tied_copy
 from mega_models.hybrid_config import HybridConfig
-from mega_models.layer import moe_mlp, rng_checkpoint_contexts
+from mega_models.layer import moe_mlp
 from mega_models.mamba import Mamba2Mixer
 from mega_models.mlp import MLP
 from mega_models.norms import Norm
 from mega_models.rope import rope_tables
+from mega_models.stage_body import run_stage
 from mega_models.stages import StageSpec, stage_spec
 from mega_parallel_grid import ProcessGroups
 from mega_tp_layers import (
@@ -204,24 +204,7 @@ class HybridModel(nn.Module):
         if c.position == "rope" and any(layer.kind == "*" for layer in self._layers()):
             positions = torch.arange(seq_len, device=hidden.device)
             rope = rope_tables(c.head_dim, positions, c.rope_theta, hidden.dtype)
-        for layer in self._layers():
-            if self.recompute == "full" and self.training:
-                hidden = checkpoint(
-                    layer, hidden, rope, seq_len, use_reentrant=False,
-                    context_fn=rng_checkpoint_contexts(self.rng),
-                )  # fmt: skip
-            else:
-                hidden = layer(hidden, rope, seq_len)
-        if not self.stage.last:
-            out: Tensor = hidden
-            return out
-        assert self.final_norm is not None
-        return self.head_fn(
-            hidden, labels, final_norm=self.final_norm, output=self.output,
-            tied_weight=self.embedding.word.weight if self.embedding is not None else None,
-            tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
-            vocab_size=self.config.vocab_size,
-        )  # fmt: skip
+        return run_stage(self, self._layers(), hidden, labels, rope, seq_len)
 
     def _layers(self) -> list[HybridLayer]:
         return [layer for layer in self.layers.values() if isinstance(layer, HybridLayer)]
