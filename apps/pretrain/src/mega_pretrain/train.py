@@ -146,6 +146,11 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     )
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
     live = LiveProgress(console, t.steps, step)
+
+    def save(step: int, consumed: int) -> Path:
+        state = _state(config, step, consumed)
+        return save_checkpoint(run_dir, step, built, groups, state, config.checkpoint.keep_last)
+
     try:
         live.__enter__()
         while step < t.steps:
@@ -211,22 +216,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                 and step % config.checkpoint.save_interval == 0
                 and step < t.steps
             ):
-                saved = save_checkpoint(
-                    run_dir,
-                    step,
-                    built,
-                    groups,
-                    _state(config, step, consumed),
-                    config.checkpoint.keep_last,
-                )
-        saved = save_checkpoint(
-            run_dir,
-            step,
-            built,
-            groups,
-            _state(config, step, consumed),
-            config.checkpoint.keep_last,
-        )
+                saved = save(step, consumed)
+        saved = save(step, consumed)
     finally:
         live.__exit__(None, None, None)
         stop.restore()
