@@ -73,6 +73,7 @@ def test_dp_share_and_interleaving_limit_the_choice() -> None:
     [
         ((), 1, None, "needs the device's memory, and there is no GPU; set run.memory_gib"),
         ((("run.memory_gib", "10"),), 1, None, "finds no micro-batch that fits: the smallest needs"),
+        ((("run.memory_gib", "-5"),), 1, None, "run.memory_gib (-5.0) must be positive"),
         ((("run.memory_gib", "100"), ("train.global_batch_size", "3")), 2, None,
          "train.global_batch_size (3) is not divisible by dp (2)"),
     ],

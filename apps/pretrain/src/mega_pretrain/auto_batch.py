@@ -31,6 +31,11 @@ def resolve_micro_batch(
     if t.micro_batch_size != 0:
         return config, None
     if config.run.memory_gib is not None:
+        if not config.run.memory_gib > 0:
+            raise ValueError(
+                f"run.memory_gib ({config.run.memory_gib}) must be positive: the memory of one "
+                "device in GiB, e.g. 139.8 for an H200"
+            )
         budget = config.run.memory_gib * 2**30
     elif device_bytes is not None:
         budget = float(device_bytes)
