@@ -7,15 +7,18 @@ workers import this module too, and need only torch, mega and safetensors.
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _hf_common import forward_stages, one_sentence, randomise, read_all, save
 
 from mega_models import GPTModel, stage_spec
 from mega_models.hf import (
@@ -32,9 +35,8 @@ from mega_models.hf import (
     split_qkv,
     write_safetensors,
 )
-from mega_parallel_grid import ParallelConfig, ProcessGroups, init_process_groups
+from mega_parallel_grid import ParallelConfig, init_process_groups
 from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
-from mega_tp_layers import gather_from_tp_region
 
 # fp32 on both sides, same formulas: the only differences are the order of float sums
 # (tp splits the attention-output and MLP-down GEMM reductions and adds the partial sums;
@@ -75,19 +77,7 @@ def _hf_model(arch: str) -> Any:
     config.rope_theta = ROPE_THETA
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.08 * noise)
-    return model
-
-
-def _save(model: Any, out: Path) -> None:
-    kwargs: dict[str, Any] = {"max_shard_size": SHARD_BYTES}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-        kwargs["safe_serialization"] = True  # transformers 4.x; 5.x writes only safetensors
-    model.save_pretrained(out, **kwargs)
+    return randomise(model)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +87,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     for arch in ARCHS:
         model = _hf_model(arch)
         path = tmp_path_factory.mktemp(arch)
-        _save(model, path)
+        save(model, path, SHARD_BYTES)
         assert (path / "model.safetensors.index.json").is_file()
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
@@ -106,35 +96,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
             logits = model(input_ids=ids).logits.float()
         out[arch] = (path, ids, logits)
     return out
-
-
-def read_all(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
-def forward_stages(
-    model: GPTModel, groups: ProcessGroups, ids: torch.Tensor
-) -> torch.Tensor | None:
-    """Forward through the pipeline by hand; the last stage returns the full logits [b, s, V]."""
-    pp, me, dev = groups.size("pp"), groups.rank("pp"), rank_device()
-    ranks = dist.get_process_group_ranks(groups.pp)
-    x = ids.to(dev)
-    if not model.stage.first:
-        x = torch.empty(ids.shape[1], ids.shape[0], model.config.hidden_size, device=dev)
-        dist.recv(x, ranks[me - 1])
-    with torch.no_grad():
-        out = model(x)
-    if not model.stage.last:
-        dist.send(out.contiguous(), ranks[me + 1])
-        return None
-    assert pp == 1 or not model.stage.first
-    full = gather_from_tp_region(out, groups.tp)  # [b, s, V_pad/tp] -> [b, s, V_pad]
-    return full[..., : model.config.vocab_size].cpu()
 
 
 def _import_export(
@@ -260,34 +221,27 @@ def test_layout_helpers_invert() -> None:
     assert all(torch.equal(a, b) for a, b in zip(split_gate_up(fc1), (gate, up), strict=True))
 
 
-def _one_sentence(err: pytest.ExceptionInfo[BaseException], *words: str) -> None:
-    text = str(err.value)
-    assert "\n" not in text, text
-    for word in words:
-        assert word in text, (word, text)
-
-
-def test_bad_configs_fail_in_one_sentence(checkpoints: dict[str, tuple[Path, Any, Any]]) -> None:
+def test_bad_configs_fail_inone_sentence(checkpoints: dict[str, tuple[Path, Any, Any]]) -> None:
     base = json.loads((checkpoints["llama"][0] / "config.json").read_text())
     with pytest.raises(ValueError) as err:
         gpt_config_from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
-    _one_sentence(err, "GPT2LMHeadModel", "not supported", "LlamaForCausalLM")
+    one_sentence(err, "GPT2LMHeadModel", "not supported", "LlamaForCausalLM")
     with pytest.raises(ValueError) as err:
         gpt_config_from_hf({**base, "architectures": ["Qwen3MoeForCausalLM"]})
-    _one_sentence(err, "Qwen3MoeForCausalLM", "not supported", "MixtralForCausalLM")
+    one_sentence(err, "Qwen3MoeForCausalLM", "not supported", "MixtralForCausalLM")
     scaled = {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}
     with pytest.raises(ValueError) as err:
         gpt_config_from_hf(scaled)
-    _one_sentence(err, "llama3", "RoPE scaling")
+    one_sentence(err, "llama3", "RoPE scaling")
     with pytest.raises(ValueError) as err:
         gpt_config_from_hf({**base, "head_dim": 32})
-    _one_sentence(err, "head_dim (32)")
+    one_sentence(err, "head_dim (32)")
     with pytest.raises(ValueError) as err:
         gpt_config_from_hf({**base, "hidden_act": "gelu"})
-    _one_sentence(err, "hidden_act ('gelu')")
+    one_sentence(err, "hidden_act ('gelu')")
     with pytest.raises(ValueError) as err:
         gpt_config_from_hf(checkpoints["llama"][0] / "missing")
-    _one_sentence(err, "config.json", "does not exist")
+    one_sentence(err, "config.json", "does not exist")
 
 
 def _broken(src: Path, dst: Path, how: str) -> Path:
@@ -343,7 +297,7 @@ def _load_errors(dirs: dict[str, str], good: str) -> dict[str, str]:
     return messages
 
 
-def test_bad_checkpoints_fail_in_one_sentence(
+def test_bad_checkpoints_fail_inone_sentence(
     dist_pool: DistPool, checkpoints: dict[str, tuple[Path, Any, Any]], tmp_path: Path
 ) -> None:
     good = checkpoints["llama"][0]
@@ -370,4 +324,4 @@ def test_export_refuses_a_non_empty_directory(
 ) -> None:
     with pytest.raises(ValueError) as err:
         write_safetensors({"x": torch.zeros(2)}, checkpoints["llama"][0], SHARD_BYTES)
-    _one_sentence(err, "already holds a checkpoint", "empty directory")
+    one_sentence(err, "already holds a checkpoint", "empty directory")

@@ -9,15 +9,18 @@ rank workers import this module too, and need only torch, mega and safetensors.
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _hf_common import forward_stages, one_sentence, randomise, read_all, save
 
 from mega_models import GPTConfig, GPTModel, stage_spec
 from mega_models.hf import (
@@ -36,9 +39,9 @@ from mega_models.hf import (
     unstack_grid,
 )
 from mega_models.hf.moe import qwen2_moe_pattern, qwen2_moe_sparse_step
-from mega_parallel_grid import ParallelConfig, ProcessGroups, init_process_groups
+from mega_parallel_grid import ParallelConfig, init_process_groups
 from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
-from mega_tp_layers import gather_from_tp_region, shard_spec
+from mega_tp_layers import shard_spec
 
 # fp32 on both sides, same formulas. The differences are only the order of float sums:
 # tp/etp split the attention-output and expert-down GEMM reductions and add the partial
@@ -84,19 +87,7 @@ def _hf_model(arch: str) -> Any:
     config.rope_parameters["rope_theta"] = ROPE_THETA
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.08 * noise)
-    return model
-
-
-def _save(model: Any, out: Path) -> None:
-    kwargs: dict[str, Any] = {"max_shard_size": SHARD_BYTES}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-        kwargs["safe_serialization"] = True  # transformers 4.x; 5.x writes only safetensors
-    model.save_pretrained(out, **kwargs)
+    return randomise(model)
 
 
 def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -112,41 +103,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     for arch in ARCHS:
         model = _hf_model(arch)
         path = tmp_path_factory.mktemp(arch)
-        _save(model, path)
+        save(model, path, SHARD_BYTES)
         assert (path / "model.safetensors.index.json").is_file()
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
         ids[0, -1] = vocab - 1  # the last real row of the (padded) vocabulary
         out[arch] = (path, ids, _logits(model, ids))
     return out
-
-
-def read_all(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
-def forward_stages(
-    model: GPTModel, groups: ProcessGroups, ids: torch.Tensor
-) -> torch.Tensor | None:
-    """Forward through the pipeline by hand; the last stage returns the full logits [b, s, V]."""
-    me, dev = groups.rank("pp"), rank_device()
-    ranks = dist.get_process_group_ranks(groups.pp)
-    x = ids.to(dev)
-    if not model.stage.first:
-        x = torch.empty(ids.shape[1], ids.shape[0], model.config.hidden_size, device=dev)
-        dist.recv(x, ranks[me - 1])
-    with torch.no_grad():
-        out = model(x)
-    if not model.stage.last:
-        dist.send(out.contiguous(), ranks[me + 1])
-        return None
-    full = gather_from_tp_region(out, groups.tp)  # [b, s, V_pad/tp] -> [b, s, V_pad]
-    return full[..., : model.config.vocab_size].cpu()
 
 
 def _close(mine: torch.Tensor, ref: torch.Tensor) -> None:
@@ -308,7 +271,7 @@ def test_qkv_bias_config() -> None:
     assert "layers.1.attention.qkv.bias" in gpt_parameter_names(moe)
     with pytest.raises(ValueError) as err:
         config.replace(add_bias=True)
-    _one_sentence(err, "qkv_bias (True)", "add_bias (True)", "set one of them to false")
+    one_sentence(err, "qkv_bias (True)", "add_bias (True)", "set one of them to false")
 
 
 def _trained_qwen2(hf_dir: str, out_dir: str, ids: torch.Tensor) -> torch.Tensor | None:
@@ -352,14 +315,7 @@ def test_trained_qwen2_exports_as_qwen2(
 # bad input ----------------------------------------------------------------------------------
 
 
-def _one_sentence(err: pytest.ExceptionInfo[BaseException], *words: str) -> None:
-    text = str(err.value)
-    assert "\n" not in text, text
-    for word in words:
-        assert word in text, (word, text)
-
-
-def test_bad_configs_fail_in_one_sentence(checkpoints: dict[str, tuple[Path, Any, Any]]) -> None:
+def test_bad_configs_fail_inone_sentence(checkpoints: dict[str, tuple[Path, Any, Any]]) -> None:
     mixtral = json.loads((checkpoints["mixtral"][0] / "config.json").read_text())
     qwen = json.loads((checkpoints["qwen2_moe"][0] / "config.json").read_text())
     bad: list[tuple[dict[str, Any], tuple[str, ...]]] = [
@@ -374,10 +330,10 @@ def test_bad_configs_fail_in_one_sentence(checkpoints: dict[str, tuple[Path, Any
     for cfg, words in bad:
         with pytest.raises(ValueError) as err:
             gpt_config_from_hf(cfg)
-        _one_sentence(err, *words)
+        one_sentence(err, *words)
 
 
-def test_unexpressible_models_fail_to_export_in_one_sentence() -> None:
+def test_unexpressible_models_fail_to_export_inone_sentence() -> None:
     base = GPTConfig(hidden_size=32, num_layers=2, num_attention_heads=4, num_experts=4)
     qwen = base.replace(moe_shared_expert_size=16, moe_shared_expert_gate=True)
     bad: list[tuple[GPTConfig, str, tuple[str, ...]]] = [
@@ -396,7 +352,7 @@ def test_unexpressible_models_fail_to_export_in_one_sentence() -> None:
     for config, arch, words in bad:
         with pytest.raises(ValueError) as err:
             hf_config_from_gpt(config, arch)
-        _one_sentence(err, *words)
+        one_sentence(err, *words)
 
 
 def _broken(src: Path, dst: Path, tensor: str) -> Path:
