@@ -314,6 +314,7 @@ def test_layers_reject_bad_fp8_settings(dist_pool: DistPool) -> None:
         ),
         (lambda: Fp8Recipe(fwd_dtype=E5M2), r"both torch.float8_e5m2"),
         (lambda: Fp8Recipe(eps=0.0), r"eps \(0.0\) must be a positive"),
+        (lambda: Fp8Recipe(fast_accum_forward=1), r"fast_accum_forward \(1\) must be True or"),
         (
             lambda: fp8_quantize(torch.ones(4), torch.float16),
             r"dtype \(torch.float16\) is not an fp8",
@@ -337,9 +338,50 @@ def test_layers_reject_bad_fp8_settings(dist_pool: DistPool) -> None:
             r"compute capability 8.9 or newer.*on cpu",
         ),
     ],
-    ids=["dtype", "e5m2-pair", "eps", "quantize-dtype", "shapes", "fp8-input", "linear", "no-gpu"],
+    ids=[
+        "dtype",
+        "e5m2-pair",
+        "eps",
+        "fast-accum",
+        "quantize-dtype",
+        "shapes",
+        "fp8-input",
+        "linear",
+        "no-gpu",
+    ],
 )
 def test_bad_input_raises_one_sentence(build: Any, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern) as info:
         build()
     assert str(info.value).count(". ") == 0
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_only_the_forward_gemm_accumulates_fast(
+    monkeypatch: pytest.MonkeyPatch, fast: bool
+) -> None:
+    """``torch._scaled_mm`` gets ``use_fast_accum`` for the forward GEMM alone (the recipe's
+    choice); dgrad and wgrad keep the precise accumulation. The GEMM is faked on the CPU by
+    the exact emulation, so the values still equal the emulated layer's."""
+    import mega_tp_layers.fp8 as fp8_module
+
+    calls: list[bool] = []
+
+    def fake_scaled_mm(a: Tensor, b: Tensor, **kw: Any) -> Tensor:
+        calls.append(kw["use_fast_accum"])
+        acc = a.float() @ b.float()
+        return (acc * (kw["scale_a"] * kw["scale_b"])).to(kw["out_dtype"])
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    monkeypatch.setattr(fp8_module, "fp8_gemm_supported", lambda device: True)
+    recipe = Fp8Recipe(emulate=False, fast_accum_forward=fast)
+    x = _randn(16, 32, seed=1).requires_grad_()
+    w = _randn(48, 32, seed=2).requires_grad_()
+    out = fp8_linear(x, w, recipe=recipe)
+    out.backward(_randn(16, 48, seed=3))
+    assert calls == [fast, False, False]  # forward, dgrad, wgrad
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = fp8_linear(x2, w2, recipe=EMULATE)
+    ref.backward(_randn(16, 48, seed=3))
+    assert torch.equal(out, ref)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)  # type: ignore[arg-type]

@@ -70,6 +70,10 @@ class Fp8Recipe:
     """Floor on amax, so that an all-zero tensor gets a finite scale."""
     emulate: bool | None = None
     """True: always emulate; False: always ``torch._scaled_mm`` (CUDA sm89+); None: auto."""
+    fast_accum_forward: bool = True
+    """The forward GEMM accumulates in the tensor cores' fast mode (``use_fast_accum``, no
+    periodic promotion to fp32: faster, less precise over long K); dgrad and wgrad never do.
+    The exact emulation accumulates in fp32 either way."""
 
     def __post_init__(self) -> None:
         for label, value in (("fwd_dtype", self.fwd_dtype), ("grad_dtype", self.grad_dtype)):
@@ -82,6 +86,10 @@ class Fp8Recipe:
             raise ValueError(
                 "Fp8Recipe has fwd_dtype and grad_dtype both torch.float8_e5m2, which "
                 "torch._scaled_mm cannot multiply together; keep fwd_dtype=torch.float8_e4m3fn"
+            )
+        if not isinstance(self.fast_accum_forward, bool):
+            raise ValueError(
+                f"Fp8Recipe.fast_accum_forward ({self.fast_accum_forward!r}) must be True or False"
             )
         if not (isinstance(self.eps, float | int) and math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"Fp8Recipe.eps ({self.eps!r}) must be a positive finite number")
@@ -151,8 +159,18 @@ def fp8_quantize_by_amax(
     return Fp8Tensor(data, scale.reciprocal())
 
 
-def scaled_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, recipe: Fp8Recipe) -> Tensor:
-    """``dequant(a) @ dequant(b)`` for ``a`` ``[M, K]`` and ``b`` ``[K, N]``, in ``out_dtype``."""
+def scaled_gemm(
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    out_dtype: torch.dtype,
+    recipe: Fp8Recipe,
+    *,
+    forward: bool = False,
+) -> Tensor:
+    """``dequant(a) @ dequant(b)`` for ``a`` ``[M, K]`` and ``b`` ``[K, N]``, in ``out_dtype``.
+
+    ``forward``: a forward GEMM, which accumulates fast if ``recipe.fast_accum_forward``.
+    """
     device = a.data.device
     if recipe.emulated_on(device):
         acc = a.data.float() @ b.data.float()  # products of fp8 values are exact in fp32
@@ -169,6 +187,7 @@ def scaled_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, recipe: Fp8R
         scale_a=a.inv_scale,
         scale_b=b.inv_scale,
         out_dtype=out_dtype,
+        use_fast_accum=forward and recipe.fast_accum_forward,
     )
     return out
 
@@ -242,7 +261,7 @@ def fp8_linear_forward(
         return (x2d @ weight.t()).to(out_dtype)
     xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, x_group)
     wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, w_group)
-    return scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe)
+    return scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe, forward=True)
 
 
 def fp8_linear_dgrad(
@@ -347,7 +366,7 @@ class _Fp8Linear(Function):
         xq = fp8_quantize(x, recipe.fwd_dtype, recipe.eps, x_group)  # [tokens, in]
         wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, w_group)  # [out, in]
         ctx.save_for_backward(xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight)
-        out = scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), x.dtype, recipe)
+        out = scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), x.dtype, recipe, forward=True)
         return out if bias is None else out + bias
 
     @staticmethod

@@ -242,7 +242,9 @@ class _ChunkGemm:
             return torch.mm(a, self.b, out=out)
         if self.quantised:
             aq = a if isinstance(a, Fp8Tensor) else self.quantise(a)
-            y = scaled_gemm(aq, self._weight_fp8(), self.out_dtype, self.fp8)
+            y = scaled_gemm(
+                aq, self._weight_fp8(), self.out_dtype, self.fp8, forward=self.kind == "forward"
+            )
         else:  # fp8's high-precision fallback for GEMMs whose dims do not qualify
             assert isinstance(a, Tensor)
             lhs = a if self.kind == "forward" else a.to(self.weight.dtype)
