@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="train.fp8 true (bf16 + FP8 GEMMs)")
+    ap.add_argument("--precision", default="", help="train.precision (default: bf16 on GPU)")
     ap.add_argument(
         "--tp-comm-overlap", action="store_true",
         help="parallel.tp_comm_overlap true (needs --sp): SP collectives overlapped with GEMMs",
@@ -71,7 +72,7 @@ def main() -> None:
         ("model.size", args.size), ("train.seq_len", str(args.seq)),
         ("train.micro_batch_size", str(args.mb)),
         ("train.global_batch_size", str(args.mb * args.accum * dp)),
-        ("train.precision", "bf16" if cuda or args.fp8 else "fp32"), ("train.fp8", str(args.fp8).lower()),
+        ("train.precision", args.precision or ("bf16" if cuda or args.fp8 else "fp32")), ("train.fp8", str(args.fp8).lower()),
         ("train.compile", str(args.compile).lower()),
         ("train.recompute", args.recompute), ("parallel.tp", str(args.tp)), ("parallel.pp", str(args.pp)),
         ("parallel.ep", str(args.ep)), ("parallel.etp", str(args.etp).lower()),

@@ -10,12 +10,12 @@ e(A) @ |B| + |A| @ e(B) + e(A) @ e(B), plus fp32 rounding of the K-term sums and
 scalings, at most (K + 4) * 2^-24 * (|A| @ |B|) (with |A|, |B| widened by their bounds).
 
 Against a hand-written quantise-dequantise reference with the same scales the emulation is
-bit-exact (same fp32 operations on the same values). Tensor-parallel layers quantise per
-rank: a column layer's weight shard (and its gradient shard) and a row layer's input and
-weight shards have their own amax, so the scales differ across tp ranks and a tp=2 layer is
-NOT the tp=1 fp8 layer. It equals the per-shard reference: the single-process
-``fp8_linear`` applied to each rank's shards and assembled; in fp32 the two differ only in
-the order of float sums, within rtol=1e-5, atol=1e-6 (as in test_linear.py).
+bit-exact (same fp32 operations on the same values). Tensor-parallel layers scale every
+operand they hold in shards (a column layer's weight and output-gradient shards, a row
+layer's input and weight shards) by the whole tensor's amax (one scalar max all-reduce), so
+each rank quantises exactly as one process would and a tp=2 block (with or without sequence
+parallel) equals the single-process ``fp8_linear`` block on the whole weights; in fp32 the two
+differ only in the order of float sums, within rtol=1e-5, atol=1e-6 (as in test_linear.py).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def test_compiles_without_graph_breaks() -> None:
     assert torch.equal(cw.grad, eager_w.grad)
 
 
-# ---- layers: tp 1 and 2, sequence parallel, against the per-shard reference --------------
+# ---- layers: tp 1 and 2, sequence parallel, against one process ------------------------
 
 
 def _full(shape: tuple[int, ...], name: str) -> Tensor:
