@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention
 from mega_models.norms import Norm
+from mega_models.rng_replay import rng_checkpoint_contexts
 from mega_models.rope import apply_rope
 from mega_tp_layers import (
     ColumnParallelLinear,
@@ -123,7 +124,10 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.recompute_core and self.training:
-            out = checkpoint(self._core, q, k, v, seq_len, use_reentrant=False)
+            out = checkpoint(
+                self._core, q, k, v, seq_len, use_reentrant=False,
+                context_fn=rng_checkpoint_contexts(self.rng),
+            )  # fmt: skip  # the dropout masks of the tracked RNG, replayed
         else:
             out = self._core(q, k, v, seq_len)
         out = out.reshape(s, b, self.heads * self.head_dim)

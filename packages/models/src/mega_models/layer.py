@@ -1,9 +1,7 @@
-"""One pre-norm transformer layer, and the RNG-aware activation recomputation around it."""
+"""One pre-norm transformer layer."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -18,41 +16,7 @@ from mega_models.norms import Norm
 from mega_moe import MoELayer
 from mega_tp_layers import Fp8Recipe, Normal, RNGStatesTracker, ScaledNormal
 
-__all__ = ["TransformerLayer", "moe_mlp", "rng_checkpoint_contexts"]
-
-
-def rng_checkpoint_contexts(
-    tracker: RNGStatesTracker | None,
-) -> Callable[[], tuple[AbstractContextManager[None], AbstractContextManager[None]]]:
-    """``context_fn`` for ``torch.utils.checkpoint``: replay the tracked RNG on recompute.
-
-    Checkpointing restores the default generators itself; the tracked (per-tp-rank)
-    states are ours: the recompute starts from the states the forward started from, and
-    the states after it are put back, so dropout masks are the same both times.
-    """
-
-    def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-        if tracker is None:
-            return nullcontext(), nullcontext()
-        saved: dict[str, torch.Tensor] = {}
-
-        @contextmanager
-        def forward() -> Iterator[None]:
-            saved.update(tracker.state_dict())
-            yield
-
-        @contextmanager
-        def recompute() -> Iterator[None]:
-            after = tracker.state_dict()
-            tracker.load_state_dict(saved)
-            try:
-                yield
-            finally:
-                tracker.load_state_dict(after)
-
-        return forward(), recompute()
-
-    return contexts
+__all__ = ["TransformerLayer", "moe_mlp"]
 
 
 def moe_mlp(

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mega_models.config import GPTConfig
 from mega_models.head import Embedding
-from mega_models.layer import rng_checkpoint_contexts
+from mega_models.rng_replay import rng_checkpoint_contexts
 from mega_models.stages import StageSpec
 from mega_tp_layers import ColumnParallelLinear, RNGStatesTracker
 
