@@ -280,12 +280,14 @@ def test_variable_shapes_match(dist_pool: DistPool) -> None:
     dist_pool.run(_check_schedules, 2, args=(2, 2, True))
 
 
-def _check_grad_scale() -> None:
+def _check_split(split: list[int] | None, scale: float) -> None:
+    """1F1B at pp 2 on stages of ``split`` layers (even when None), losses scaled by
+    ``scale`` in backward: losses (unscaled) and gradients (scaled) equal one process's."""
     pp_group, rank = _pp_group()
     device = rank_device()
     comm = P2PCommunicator(pp_group, tensor_shape=SHAPE)
     layers = _stack()
-    (r,) = rank_layer_ranges(LAYERS, 2, rank)
+    (r,) = rank_layer_ranges(LAYERS, 2, rank, split=split)
     chunk = nn.Sequential(*[layers[i] for i in r]).to(device)
     batches = _batches(4)
     ref_losses, ref_grads = _reference(4, batches, device)
@@ -296,7 +298,7 @@ def _check_grad_scale() -> None:
         model=chunk,
         num_microbatches=4,
         communicator=comm,
-        grad_scale_func=lambda loss: loss * 8.0,
+        grad_scale_func=(lambda loss: loss * scale) if scale != 1.0 else None,
     )
     if rank == 1:  # returned losses are unscaled
         torch.testing.assert_close(
@@ -305,9 +307,45 @@ def _check_grad_scale() -> None:
             rtol=RTOL,
             atol=ATOL,
         )
-    for p, ref in zip(chunk.parameters(), ref_grads[2 * r.start : 2 * r.stop], strict=True):
-        torch.testing.assert_close(_grad(p).cpu(), ref * 8.0, rtol=RTOL, atol=ATOL)
+    params = list(chunk.parameters())
+    assert len(params) == 2 * len(r)
+    for p, ref in zip(params, ref_grads[2 * r.start : 2 * r.stop], strict=True):
+        torch.testing.assert_close(_grad(p).cpu(), ref * scale, rtol=RTOL, atol=ATOL)
 
 
 def test_grad_scale_func_scales_gradients_only(dist_pool: DistPool) -> None:
-    dist_pool.run(_check_grad_scale, 2)
+    dist_pool.run(_check_split, 2, args=(None, 8.0))
+
+
+@pytest.mark.parametrize("split", [[3, 5], [7, 1]], ids=["3-5", "7-1"])
+def test_uneven_stages_match_one_process(dist_pool: DistPool, split: list[int]) -> None:
+    dist_pool.run(_check_split, 2, args=(split, 1.0))
+
+
+def _empty_first_stage() -> str:
+    """A first stage with no layers returns its batch: one sentence, before any exchange."""
+    pp_group, rank = _pp_group()
+    comm = P2PCommunicator(pp_group, tensor_shape=SHAPE)  # collective: both ranks build it
+    if rank == 1:  # the error comes at rank 0's first forward, before it sends anything
+        return ""
+    batches = _batches(2)
+    copies = [x.clone() for x, _ in batches]
+    rec = _Recorder(rank_device(), False)
+    try:
+        get_forward_backward_func(2)(
+            forward_step=rec.forward_step,
+            data_iterator=iter([(i, x, y) for i, (x, y) in enumerate(batches)]),
+            model=nn.Sequential(),
+            num_microbatches=2,
+            communicator=comm,
+        )
+    except ValueError as exc:
+        assert all(torch.equal(x, c) for (x, _), c in zip(batches, copies, strict=True))
+        return str(exc)
+    return "no error raised"
+
+
+def test_a_stage_without_layers_is_one_sentence(dist_pool: DistPool) -> None:
+    message = dist_pool.run(_empty_first_stage, 2)[0]
+    assert "pipeline stage 0 (chunk 0) returned an output that does not require grad" in message
+    assert "give that stage at least one layer with parameters" in message

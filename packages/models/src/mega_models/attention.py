@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -26,6 +27,28 @@ from mega_tp_layers import (
 from mega_tp_layers._comm import group_size
 
 __all__ = ["SelfAttention"]
+
+
+def _core_replaying_rng_eager(
+    core: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_len: int,
+    rng: RNGStatesTracker,
+) -> torch.Tensor:
+    """The attention core recomputed in backward with the dropout masks of its forward."""
+    out = checkpoint(
+        core, q, k, v, seq_len, use_reentrant=False, context_fn=rng_checkpoint_contexts(rng)
+    )
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+# dynamo cannot trace checkpoint's context_fn: under torch.compile this runs eagerly
+_core_replaying_rng: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    _core_replaying_rng_eager
+)
 
 
 class SelfAttention(nn.Module):
@@ -124,10 +147,10 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.recompute_core and self.training:
-            out = checkpoint(
-                self._core, q, k, v, seq_len, use_reentrant=False,
-                context_fn=rng_checkpoint_contexts(self.rng),
-            )  # fmt: skip  # the dropout masks of the tracked RNG, replayed
+            if self.rng is not None and self.dropout > 0.0:
+                out = _core_replaying_rng(self._core, q, k, v, seq_len, self.rng)
+            else:
+                out = checkpoint(self._core, q, k, v, seq_len, use_reentrant=False)
         else:
             out = self._core(q, k, v, seq_len)
         out = out.reshape(s, b, self.heads * self.head_dim)

@@ -155,6 +155,13 @@ class _Runner:
                 )
             output, loss_func = result
             if stage < self.num_stages - 1:
+                if not self.forward_only and not output.requires_grad:
+                    raise ValueError(
+                        f"pipeline stage {stage} (chunk {action.chunk}) returned an output "
+                        "that does not require grad, so no gradient can flow back through it "
+                        "(a first stage with no layers returns its input batch unchanged); "
+                        "give that stage at least one layer with parameters"
+                    )
                 s.outputs[key] = output
                 return
             loss, logs = _split_loss(loss_func(output))
