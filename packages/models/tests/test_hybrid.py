@@ -45,8 +45,6 @@ def full_tensors(model: nn.Module, vocab: int, grads: bool) -> dict[str, torch.T
     """Every parameter (or gradient) gathered over tp, vocabulary padding cut, on the CPU."""
     out = {}
     for name, p in model.named_parameters():
-        if name == "embedding.position.weight" and not model.stage.first:  # type: ignore[union-attr]
-            continue  # the tied last stage's copy of the embedding module: never used there
         t = p.grad if grads else p.detach()
         assert t is not None, f"{name} has no gradient"
         spec = shard_spec(p)

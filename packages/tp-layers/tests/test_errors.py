@@ -66,6 +66,12 @@ def _bad_inputs() -> dict[str, tuple[str, str]]:
         "no_group": _message(lambda: ColumnParallelLinear(H, FFN, tp_group=no_group)),
         "backend": _message(lambda: RowParallelLinear(FFN, H, tp_group=g, backend=bad_backend)),
         "te_missing": te_missing,
+        "te_skip_bias_col": _message(
+            lambda: ColumnParallelLinear(H, FFN, tp_group=g, backend="te", skip_bias_add=True)
+        ),
+        "te_skip_bias_row": _message(
+            lambda: RowParallelLinear(FFN, H, tp_group=g, backend="te", skip_bias_add=True)
+        ),
         "col_wrong_width": _message(lambda: col(torch.randn(S, B, H + 1))),
         "row_full_input": _message(lambda: row(torch.randn(S, B, FFN))),
         "col_sp_no_sequence": _message(lambda: col_sp(torch.randn(H))),
@@ -103,6 +109,14 @@ EXPECTED = {
         r"needs tp_group to be a torch.distributed ProcessGroup, got NoneType",
     ),
     "backend": ("ValueError", r"backend 'xla' is not one of torch, te"),
+    "te_skip_bias_col": (
+        "ValueError",
+        r"ColumnParallelLinear skip_bias_add=True is not supported with backend='te'",
+    ),
+    "te_skip_bias_row": (
+        "ValueError",
+        r"RowParallelLinear skip_bias_add=True is not supported with backend='te'",
+    ),
     "te_missing": (
         "ImportError",
         r"backend='te' needs NVIDIA Transformer Engine, which is not installed",

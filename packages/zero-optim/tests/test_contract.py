@@ -253,3 +253,38 @@ def test_state_dict_reshards(
     # care; at the same dp size (same layout) each rank loads its own shard only
     new_bucket_size = 300 if old_dp == new_dp else 500
     dist_pool.run(_load_and_continue, new_dp, args=(new_bucket_size, folder, old_dp, 3, 5))
+
+
+def _load_into_swapped_groups(folder: str) -> list[tuple[list[int], float]]:
+    """Load a state saved with groups [decay 0.1, no decay 0.0] into an optimizer built with
+    them the other way round: each group keeps the hyperparameters of its own parameters."""
+    case = CASES["plain"]
+    groups = init_process_groups(ParallelConfig())
+    torch.manual_seed(0)
+    net = _Net().to(rank_device())
+    ddp = DistributedDataParallel(net, dp_group=groups.dp, bucket_size=case.bucket_size)
+    params = list(ddp.parameters())
+    swapped = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.5},
+            {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.5},
+        ],
+        lr=1e-2,
+        eps=1e-4,
+    )
+    opt = DistributedOptimizer(swapped, ddp)
+    opt.load_state_dict(torch.load(os.path.join(folder, "rank0.pt"), weights_only=True))
+    dims = {name: p.dim() for name, p in net.named_parameters()}
+    return [
+        (sorted({dims[n] for n in names}), g["weight_decay"])
+        for names, g in zip(opt._group_names, opt.optimizer.param_groups, strict=True)
+    ]
+
+
+def test_loaded_hyperparameters_follow_the_parameters(
+    dist_pool: DistPool, tmp_path: object
+) -> None:
+    folder = str(tmp_path)
+    dist_pool.run(_save_then_stop, 1, args=(300, folder, 1))
+    [loaded] = dist_pool.run(_load_into_swapped_groups, 1, args=(folder,))
+    assert loaded == [([1], 0.0), ([2], 0.1)]

@@ -98,7 +98,7 @@ class GPTModel(nn.Module):
         if self.stage.first or (self.stage.last and c.tie_embeddings):
             # the last stage of a tied model keeps a copy under the same name: same init,
             # and its gradient is summed with the first stage's (finalize_model_grads)
-            self.embedding = Embedding(c, groups.tp, sp, meta, dtype)
+            self.embedding = Embedding(c, groups.tp, sp, meta, dtype, positions=self.stage.first)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(
                 c, tp_group=groups.tp, cp_group=groups.cp, sequence_parallel=sp,

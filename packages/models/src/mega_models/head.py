@@ -28,7 +28,12 @@ __all__ = ["Embedding", "Positions", "embed", "lm_head", "make_head", "mark_tied
 
 
 class Embedding(nn.Module):
-    """Token embedding (vocab-parallel) plus an optional learned position table."""
+    """Token embedding (vocab-parallel) plus an optional learned position table.
+
+    ``positions=False`` leaves the table out: the copy a tied model's last pipeline stage
+    keeps for its output layer needs the word embedding only (a table there would get no
+    gradient but weight decay, and drift from the first stage's).
+    """
 
     def __init__(
         self,
@@ -37,6 +42,8 @@ class Embedding(nn.Module):
         sp: bool,
         device: torch.device | str | None,
         dtype: torch.dtype | None,
+        *,
+        positions: bool = True,
     ) -> None:
         super().__init__()
         self.word = VocabParallelEmbedding(
@@ -44,7 +51,7 @@ class Embedding(nn.Module):
             init_method=Normal(config.init_std), device=device, dtype=dtype,
         )  # fmt: skip
         self.position: Positions | None = None
-        if config.position == "learned":
+        if config.position == "learned" and positions:
             self.position = Positions(config, tp_group, device, dtype)
 
 

@@ -167,7 +167,9 @@ class HybridModel(nn.Module):
         sp = sequence_parallel
         self.embedding: Embedding | None = None
         if self.stage.first or (self.stage.last and c.tie_embeddings):
-            self.embedding = Embedding(c, groups.tp, sp, meta, dtype)  # tied: summed over pp
+            self.embedding = Embedding(
+                c, groups.tp, sp, meta, dtype, positions=self.stage.first
+            )  # tied: summed over pp
         layer_kw: dict[str, Any] = {"tp_group": groups.tp, "cp_group": groups.cp,
                                     "sequence_parallel": sp, "recompute_core":
                                     recompute == "selective", "rng": rng, "ep_group": groups.ep,

@@ -263,6 +263,12 @@ class ColumnParallelLinear(ShardedModule):
         owner = "ColumnParallelLinear"
         self.tp_group = check_group(tp_group, owner)
         _check_features(owner, in_features, out_features)
+        if backend == "te" and skip_bias_add:
+            raise ValueError(
+                f"{owner} skip_bias_add=True is not supported with backend='te' (Transformer "
+                "Engine keeps the bias inside its module, so .bias would not exist); use "
+                "backend='torch', or let the layer add its bias"
+            )
         self.backend = check_backend(backend)
         tp, rank = group_size(tp_group), group_rank(tp_group)
         full_out = padded_vocab_size(out_features, tp) if pad_out_features else out_features
@@ -376,6 +382,12 @@ class RowParallelLinear(ShardedModule):
         owner = "RowParallelLinear"
         self.tp_group = check_group(tp_group, owner)
         _check_features(owner, in_features, out_features)
+        if backend == "te" and skip_bias_add:
+            raise ValueError(
+                f"{owner} skip_bias_add=True is not supported with backend='te' (Transformer "
+                "Engine keeps the bias inside its module, so .bias would not exist); use "
+                "backend='torch', or let the layer add its bias"
+            )
         self.backend = check_backend(backend)
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if in_features % tp != 0:

@@ -363,9 +363,9 @@ class DistributedOptimizer:
                     if value.dim() == 0:
                         piece_state[key] = value.to(master.device if on_device else "cpu")
                 self.optimizer.state[master] = piece_state
-        for group, saved in zip(
-            self.optimizer.param_groups, shards[0]["param_groups"], strict=True
-        ):
+        saved_groups = shards[0]["param_groups"]
+        for i, group in enumerate(self.optimizer.param_groups):
+            saved = saved_groups[_saved_group_of(self._group_names[i], saved_groups, i)]
             group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
         self.num_steps = int(shards[0]["num_steps"])
         if self.loss_scaler is not None and shards[0]["loss_scaler"] is not None:
@@ -393,3 +393,17 @@ class DistributedOptimizer:
             master_bytes=self._master_bytes,
             state_bytes=state_bytes,
         )
+
+
+def _saved_group_of(
+    names: Sequence[str], saved_groups: Sequence[Mapping[str, Any]], index: int
+) -> int:
+    """The saved parameter group holding ``names`` (a group's hyperparameters follow its
+    parameters, not its position); the same position when no saved group holds them all,
+    e.g. for a group of no parameters or a state resharded from another layout."""
+    wanted = set(names)
+    if wanted:
+        for j, saved in enumerate(saved_groups):
+            if wanted <= set(saved.get("param_names", ())):
+                return j
+    return index
