@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
+from mega_moe import recomputing
 from mega_tp_layers import RNGStatesTracker
 
 __all__ = ["rng_checkpoint_contexts"]
@@ -19,27 +20,35 @@ def rng_checkpoint_contexts(
 
     Checkpointing restores the default generators itself; the tracked (per-tp-rank)
     states are ours: the recompute starts from the states the forward started from, and
-    the states after it are put back, so dropout masks are the same both times.
+    the states after it are put back, so dropout masks are the same both times. The
+    recompute also runs under ``mega_moe.recomputing()``, so MoE routers do not count
+    their expert load a second time.
     """
 
     def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-        if tracker is None:
-            return nullcontext(), nullcontext()
         saved: dict[str, torch.Tensor] = {}
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            if tracker is None:
+                with recomputing():
+                    yield
+                return
+            after = tracker.state_dict()
+            tracker.load_state_dict(saved)
+            try:
+                with recomputing():
+                    yield
+            finally:
+                tracker.load_state_dict(after)
+
+        if tracker is None:
+            return nullcontext(), recompute()
 
         @contextmanager
         def forward() -> Iterator[None]:
             saved.update(tracker.state_dict())
             yield
-
-        @contextmanager
-        def recompute() -> Iterator[None]:
-            after = tracker.state_dict()
-            tracker.load_state_dict(saved)
-            try:
-                yield
-            finally:
-                tracker.load_state_dict(after)
 
         return forward(), recompute()
 

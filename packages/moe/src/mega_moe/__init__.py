@@ -7,6 +7,7 @@ from mega_moe.expert_shard import EXPERT_ATTR, ExpertShard, expert_shard, gather
 from mega_moe.experts import EtpSlice, GroupedMLP, SequentialMLP
 from mega_moe.flops import moe_activated_params, moe_flops_per_token
 from mega_moe.layer import MoELayer
+from mega_moe.recompute import is_recomputing, recomputing
 from mega_moe.router import Routing, RoutingStats, TopKRouter
 from mega_moe.shared import SharedExpertMLP
 
@@ -31,9 +32,11 @@ __all__ = [
     "TopKRouter",
     "expert_shard",
     "gather_expert_weight",
+    "is_recomputing",
     "moe_activated_params",
     "moe_aux_loss",
     "moe_flops_per_token",
     "moe_tokens_per_expert",
+    "recomputing",
     "update_expert_biases",
 ]

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from mega_moe._comm import Group, all_reduce, check_group, group_rank, group_size
 from mega_moe.config import RouterConfig
+from mega_moe.recompute import is_recomputing
 from mega_moe.scores import (
     drop_over_capacity,
     select_experts,
@@ -150,8 +151,8 @@ class TopKRouter(ShardedModule):
         weights, index, balance = select_experts(logits, c, self.expert_bias)
         chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, index, True)
         probs = torch.zeros_like(logits).scatter(1, index, weights)  # [N, E]
-        if self.expert_bias is not None and self.training:
-            with torch.no_grad():
+        if self.expert_bias is not None and self.training and not is_recomputing():
+            with torch.no_grad():  # a recomputation in backward routed these tokens already
                 self.load += chosen.sum(dim=0)
         capacity = c.capacity(n)
         kept = chosen
