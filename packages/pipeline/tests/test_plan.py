@@ -69,10 +69,50 @@ def test_plans_run_with_the_textbook_bubble(pp: int, vpp: int, groups: int) -> N
         assert t == pytest.approx(m * vpp + pp - 1)
 
 
+def _stuck_steps(plans: list[list[Step]]) -> list[int]:
+    """Where two ranks' plans stop under rendezvous, derived from the plans alone.
+
+    The k-th message one rank sends meets the k-th message the other receives (one
+    channel each way, first-in first-out); a step completes once each of its messages has
+    met its counterpart, posted at some step of the peer. So a rank moves past a step once
+    the peer has reached the latest of those steps; where neither can move, it is stuck.
+    """
+    assert len(plans) == 2
+    posted: list[dict[str, list[int]]] = []  # rank -> direction -> step of each message
+    for plan in plans:
+        steps: dict[str, list[int]] = {"send": [], "recv": []}
+        for i, step in enumerate(plan):
+            ex = step.exchange
+            steps["send"] += [i] * sum(m is not None for m in (ex.send_next, ex.send_prev))
+            steps["recv"] += [i] * sum(m is not None for m in (ex.recv_prev, ex.recv_next))
+        posted.append(steps)
+    # needs[r][i]: the latest peer step that rank r's step i waits for (-1: none)
+    needs: list[list[int]] = []
+    for r, plan in enumerate(plans):
+        peer, latest = posted[1 - r], [-1] * len(plan)
+        for mine, theirs in (("send", "recv"), ("recv", "send")):
+            for k, i in enumerate(posted[r][mine]):
+                latest[i] = max(latest[i], peer[theirs][k])
+        needs.append(latest)
+    position, moved = [0, 0], True
+    while moved:
+        moved = False
+        for r in (0, 1):
+            while position[r] < len(plans[r]) and needs[r][position[r]] <= position[1 - r]:
+                position[r] += 1
+                moved = True
+    return position
+
+
 def test_unpaired_interleaved_steady_state_deadlocks() -> None:
     """Exchanging after every single action (fine for 1F1B) hangs the interleaved order."""
+    paired = _plans(2, 2, 4)
+    assert _stuck_steps(paired) == [len(p) for p in paired]  # the derivation lets them finish
     plans = [build_plan(interleaved_order(2, 2, r, 4), 2, 2, r) for r in range(2)]
-    with pytest.raises(ValueError, match="the plans deadlock: rank 0 at step 6, rank 1 at step 6"):
+    stuck = _stuck_steps(plans)
+    assert all(s < len(p) for s, p in zip(stuck, plans, strict=True)), stuck
+    detail = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(stuck))
+    with pytest.raises(ValueError, match=f"^the plans deadlock: {detail} wait for messages"):
         simulate_plans(plans)
 
 

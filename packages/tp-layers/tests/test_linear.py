@@ -69,6 +69,75 @@ def count_collectives() -> Iterator[list[tuple[str, bool]]]:
             setattr(dist, name, fn)
 
 
+@contextmanager
+def log_overlap() -> Iterator[list[str]]:
+    """Log in order: each async collective's issue and its handle's wait, and every GEMM
+    run through ``Tensor.matmul`` (as ``gemm <result shape>``).
+
+    Only the column layer's custom backward calls ``Tensor.matmul`` (its dgrad and wgrad
+    GEMMs); the row layer, GELU, norm and attention backward are autograd's own kernels,
+    so a ``gemm`` of the column weight's shape is the weight-gradient GEMM.
+    """
+    events: list[str] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    matmul = torch.Tensor.matmul
+
+    class _Logged:
+        """A Work handle whose wait is logged."""
+
+        def __init__(self, name: str, work: Any) -> None:
+            self.name, self.work = name, work
+
+        def wait(self, *args: Any, **kwargs: Any) -> Any:
+            events.append(f"wait {self.name}")
+            return self.work.wait(*args, **kwargs)
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(self.work, attr)
+
+    def logged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not kwargs.get("async_op", False):
+                return fn(*args, **kwargs)
+            events.append(f"issue {name}")
+            return _Logged(name, fn(*args, **kwargs))
+
+        return call
+
+    def gemm(self: Tensor, other: Tensor) -> Tensor:
+        out = matmul(self, other)
+        events.append(f"gemm {tuple(out.shape)}")
+        return out
+
+    for name, fn in originals.items():
+        setattr(dist, name, logged(name, fn))
+    setattr(torch.Tensor, "matmul", gemm)  # noqa: B010
+    try:
+        yield events
+    finally:
+        setattr(torch.Tensor, "matmul", matmul)  # noqa: B010
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _check_column_backward_overlap(events: list[str], tp: int, sp: bool, weight: Tensor) -> None:
+    """The column layer's input-gradient collective is issued before its weight-gradient
+    GEMM and waited only after it (under SP the input all-gather for wgrad likewise hides
+    behind the dgrad GEMM); a wait moved up to the issue fails here."""
+    if tp == 1:  # a plain F.linear: no collective, no custom backward
+        assert events == [], f"backward ran {events}, expected nothing"
+        return
+    dgrad = f"gemm {(S, B, H)}"  # [s, b, out/tp] @ [out/tp, h]
+    wgrad = f"gemm {tuple(weight.shape)}"  # [out/tp, s*b] @ [s*b, h]
+    if sp:
+        gather, scatter = "all_gather_into_tensor", "reduce_scatter_tensor"
+        expected = [f"issue {gather}", dgrad, f"wait {gather}",
+                    f"issue {scatter}", wgrad, f"wait {scatter}"]  # fmt: skip
+    else:
+        expected = [dgrad, "issue all_reduce", wgrad, "wait all_reduce"]
+    assert events == expected, f"backward ran {events}, expected {expected}"
+
+
 def _close(actual: Tensor, expected: Tensor, what: str) -> None:
     torch.testing.assert_close(
         actual.detach().cpu(), expected.detach().cpu(), rtol=RTOL, atol=ATOL, msg=what
@@ -148,9 +217,10 @@ def _check_mlp(tp: int, sp: bool) -> dict[str, list[tuple[str, bool]]]:
     xp = _seq(x, sp, rank, tp).requires_grad_()
     with count_collectives() as forward_calls:
         y = xp + fc2(F.gelu(fc1(norm(xp))))
-    with count_collectives() as backward_calls:
+    with count_collectives() as backward_calls, log_overlap() as events:
         y.backward(_seq(dy, sp, rank, tp))
     sync_sequence_parallel_grads([*norm.parameters(), *fc2.parameters()], g)
+    _check_column_backward_overlap(events, tp, sp, fc1.weight)
 
     _close(y, _seq(y_ref, sp, rank, tp), "output")
     _close(_grad(xp), _seq(_grad(xr), sp, rank, tp), "input grad")
@@ -198,9 +268,10 @@ def _check_attention(tp: int, sp: bool) -> dict[str, list[tuple[str, bool]]]:
     xp = _seq(x, sp, rank, tp).requires_grad_()
     with count_collectives() as forward_calls:
         y = proj(_attention(qkv(xp), HEADS // tp))
-    with count_collectives() as backward_calls:
+    with count_collectives() as backward_calls, log_overlap() as events:
         y.backward(_seq(dy, sp, rank, tp))
     sync_sequence_parallel_grads(proj.parameters(), g)
+    _check_column_backward_overlap(events, tp, sp, qkv.weight)
 
     _close(y, _seq(y_ref, sp, rank, tp), "output")
     _close(_grad(xp), _seq(_grad(xr), sp, rank, tp), "input grad")
@@ -237,7 +308,9 @@ def test_block_matches_single_process(
     for calls in results:
         for phase in ("forward", "backward"):
             assert Counter(name for name, _ in calls[phase]) == expected[phase], phase
-        # the column layer's input-gradient collective overlaps the weight-gradient GEMM
+        # the column layer's input-gradient collective overlaps the weight-gradient GEMM:
+        # async here, and issued before / waited after that GEMM (each rank checks the
+        # order itself in _check_column_backward_overlap)
         if tp > 1:
             assert calls["backward"][-1][1], "the last backward collective must be async"
 

@@ -81,6 +81,7 @@ def _check_mappings(tp: int) -> None:
         seq.to(dev),
         full,
     )
+    _equal(out, base, "sequence gather fwd without tp grads: all-gather of dim 0")
     _equal(grad, seq, "sequence gather bwd without tp grads: own slice")
 
     out, grad = _run(lambda x: reduce_scatter_to_sequence_region(x, g), mine, seq.to(dev))
