@@ -10,8 +10,10 @@ routing, a shared expert, a sequence-level loss and the aux-loss-free expert bia
 after every step). The reference is the same model in one plain process:
 ``torch.optim.AdamW``, gradient accumulation over the global batch's micro-batches (each
 micro-batch's loss is its mean language-model loss plus its router losses),
-``clip_grad_norm_``. Losses of every step, the full weights after the last step (experts
-gathered over ep and etp) and the logged router loss and expert load must agree.
+``clip_grad_norm_``. Losses and gradient norms of every step, the full weights after the last
+step (experts gathered over ep and etp) and the logged router loss and expert load must agree;
+the clip value is below every step's norm, so every step clips by the norm compared (which
+must count every expert shard once and every tp replica once).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ LR = 1e-3
 # first update proportional to a nearly cancelling gradient instead of lr * sign(noise).
 EPS = 1e-5
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+# The gradient norm is an fp32 sum of squares like the loss, reduced in another order: the
+# loss's tolerance. The experts' and the tp-replicated norm weights' gradients are small here,
+# yet a norm leaving the experts out is off by ~8e-4 relative, one counting the norm weights
+# twice by ~1e-4: both well outside it. (Adam hardly sees a clip factor off by that much, so
+# the weights alone would not catch either.)
+NORM_TOL = LOSS_TOL
+# Below every reference step's norm (asserted there), so that every step clips.
+CLIP = 0.5
 WEIGHT_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 MIXTRAL = {
@@ -69,7 +79,7 @@ def _overrides(
         ("model.size", "mixtral-tiny"), ("train.seq_len", str(SEQ)),
         ("train.micro_batch_size", str(micro)), ("train.global_batch_size", str(GLOBAL)),
         ("train.lr", str(LR)), ("train.min_lr", str(LR)), ("train.warmup_steps", "0"),
-        ("train.decay", "constant"), ("train.clip_grad", "1.0"), ("parallel.bucket_size", "1000"),
+        ("train.decay", "constant"), ("train.clip_grad", str(CLIP)), ("parallel.bucket_size", "1000"),
         ("train.eps", str(EPS)),
     ]  # fmt: skip
     out += [
@@ -123,9 +133,10 @@ def _stats(net: GPTModel) -> Stats:
     return counts.double(), float(sum(float(m.last_stats.loss) for m in layers if m.last_stats))
 
 
-def _reference(
-    model: dict[str, object], micro: int = MICRO
-) -> tuple[list[float], dict[str, torch.Tensor], list[Stats]]:
+Run = tuple[list[float], list[float], dict[str, torch.Tensor]]  # losses, grad norms, weights
+
+
+def _reference(model: dict[str, object], micro: int = MICRO) -> tuple[Run, list[Stats]]:
     config = load_config(None, _overrides({}, model, micro))
     gpt = gpt_config(config)
     dev = rank_device()
@@ -138,6 +149,7 @@ def _reference(
         lr=LR, betas=(t.beta1, t.beta2), eps=t.eps,
     )  # fmt: skip
     losses: list[float] = []
+    norms: list[float] = []
     stats: list[Stats] = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -151,16 +163,18 @@ def _reference(
             loss.backward()  # + the router losses' gradient, inside the MoE layers
             total += float(loss.detach())
             stats.append(_stats(net))
-        torch.nn.utils.clip_grad_norm_(net.parameters(), t.clip_grad)
+        norm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), t.clip_grad))
+        assert norm > t.clip_grad, f"step {step}: norm {norm} <= {t.clip_grad}, no clipping"
+        norms.append(norm)
         opt.step()
         update_expert_biases(net)
         losses.append(total)
-    return losses, _full_weights([net], solo_groups()), stats
+    return (losses, norms, _full_weights([net], solo_groups())), stats
 
 
 def _parallel(
     layout: dict[str, object], model: dict[str, object], micro: int = MICRO
-) -> tuple[list[float], dict[str, torch.Tensor], dict[str, float]]:
+) -> tuple[Run, dict[str, float]]:
     config = load_config(None, _overrides(layout, model, micro))
     gpt = gpt_config(config)
     check_config(config, gpt, torch.distributed.get_world_size())
@@ -169,17 +183,19 @@ def _parallel(
     built = build(config, groups, dev)
     assert built.expert_ddp is not None
     runner = StepRunner(
-        built, groups, seq_len=SEQ, micro_batch_size=MICRO, hidden_size=gpt.hidden_size,
+        built, groups, seq_len=SEQ, micro_batch_size=micro, hidden_size=gpt.hidden_size,
         dtype=torch.float32, device=dev, sequence_parallel=config.parallel.sequence_parallel,
     )  # fmt: skip
     dp, dp_rank = groups.size("dp"), groups.rank("dp")
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         mine = _batches(7, step, micro)[dp_rank::dp]  # this dp rank's micro-batches
-        loss, _ = runner.train_step(mine, LR)
+        loss, result = runner.train_step(mine, LR)
+        assert result.updated
         losses.append(float(loss))
+        norms.append(result.grad_norm)
     logged = moe_log_values(built.chunks, groups)
-    return losses, _full_weights(built.chunks, groups), logged
+    return (losses, norms, _full_weights(built.chunks, groups)), logged
 
 
 def _expected_log(stats: list[Stats], dp: int) -> dict[str, float]:
@@ -201,6 +217,10 @@ def _world(layout: dict[str, object], dp: int) -> int:
     return sizes[0] * sizes[1] * sizes[2] * dp
 
 
+def _norm_msg(message: str) -> str:
+    return f"grad norm: {message}"
+
+
 def _check(
     dist_pool: DistPool,
     layout: dict[str, object],
@@ -208,16 +228,21 @@ def _check(
     dp: int,
     micro: int = MICRO,
 ) -> None:
-    ref_losses, ref_weights, ref_stats = dist_pool.run(_reference, 1, args=(model, micro))[0]
+    (ref_losses, ref_norms, ref_weights), ref_stats = dist_pool.run(
+        _reference, 1, args=(model, micro)
+    )[0]
     results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model, micro))
     expected_log = _expected_log(ref_stats, dp)
-    for losses, _, logged in results:  # every rank logs the same global-batch values
+    for (losses, norms, _), logged in results:  # every rank logs the same global-batch values
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL)
+        torch.testing.assert_close(
+            torch.tensor(norms), torch.tensor(ref_norms), msg=_norm_msg, **NORM_TOL
+        )
         assert logged.keys() == expected_log.keys()
         for key, got in logged.items():  # loads are exact counts; the loss an fp32 sum
             torch.testing.assert_close(got, expected_log[key], rtol=1e-5, atol=1e-7, msg=key)
     merged: dict[str, torch.Tensor] = {}
-    for _, weights, _ in results:  # each pipeline stage returns its own layers
+    for (_, _, weights), _ in results:  # each pipeline stage returns its own layers
         merged.update(weights)
     assert set(merged) == set(ref_weights)
     for name, value in merged.items():

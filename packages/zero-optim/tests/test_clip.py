@@ -1,6 +1,7 @@
 """Global gradient norm across dp and tp (tp replicas counted once), non-finite gradients.
 
-Comparisons are fp32 on CPU: rtol=1e-5, atol=1e-6 (the same sums in another order).
+Comparisons are fp32 on CPU: rtol=1e-5, atol=1e-6 (the same sums in another order), except
+the fp16 run's masters against an fp32 step (see FP16_ATOL).
 """
 
 from __future__ import annotations
@@ -164,6 +165,43 @@ def test_loss_scaler_skips_the_step_and_backs_off(dist_pool: DistPool) -> None:
         assert got["results"] == [(True, 1024.0), (False, 1024.0), (True, 512.0), (True, 512.0)]
 
 
+# The fp16 run's AdamW. Its first update of an element is lr * g / (|g| + eps) (m = g, v = g^2
+# after bias correction), whose slope in g is at most lr / eps: a gradient off by d moves the
+# master by at most lr * d / eps. With eps = 1, above every |g| here (< FP16_MAX_GRAD, asserted),
+# the update is nearly linear in g: it depends on the gradient's size, not only on its sign.
+FP16_LR, FP16_EPS, FP16_MAX_GRAD = 1e-2, 1.0, 0.5
+# fp16 forward and backward round every activation and gradient to 11 bits: the reduced
+# gradient of a parameter is off by a few units of 2^-11 times its largest element (measured:
+# at most 1.3 units). Allowing 4 units bounds a master's error by lr / eps * 4 * 2^-11 *
+# FP16_MAX_GRAD = 1e-5 (+ ATOL for the fp32 update itself), while a gradient left scaled or off
+# by a factor 2 moves some master by more than 1e-3.
+FP16_ATOL = FP16_LR / FP16_EPS * 4 * 2.0**-11 * FP16_MAX_GRAD + ATOL
+
+
+def _check_first_update(
+    opt: DistributedOptimizer, start: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """This rank's fp32 masters after the first update equal one plain fp32 AdamW step from
+    the same fp16-valued weights on the same batch (every rank trains on all of it)."""
+    ref = _net()
+    ref.load_state_dict({k: v.float() for k, v in start.items()})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=FP16_LR, eps=FP16_EPS)
+    F.mse_loss(ref(x.float()), y).backward()
+    largest = max(float(p.grad.abs().max()) for p in ref.parameters())  # type: ignore[union-attr]
+    assert largest < FP16_MAX_GRAD, f"largest gradient {largest}: raise FP16_MAX_GRAD"
+    ref_opt.step()
+    expected = {n: p.detach().flatten() for n, p in ref.named_parameters()}
+    for name, entry in opt.state_dict()["params"].items():
+        for piece in entry["pieces"]:
+            torch.testing.assert_close(
+                piece["master"],
+                expected[name][piece["start"] : piece["end"]],
+                rtol=0.0,
+                atol=FP16_ATOL,
+                msg=lambda m, n=name: f"{n}: {m}",
+            )
+
+
 def _fp16() -> dict[str, object]:
     groups = init_process_groups(ParallelConfig())
     net = _net().half()
@@ -171,9 +209,10 @@ def _fp16() -> dict[str, object]:
     # 2^20 overflows fp16 gradients: the first steps are skipped until the scale fits
     scaler = DynamicLossScaler(initial_scale=2.0**20, hysteresis=1, max_scale=2.0**20)
     opt = DistributedOptimizer(
-        torch.optim.AdamW(ddp.parameters(), lr=1e-2), ddp, loss_scaler=scaler
+        torch.optim.AdamW(ddp.parameters(), lr=FP16_LR, eps=FP16_EPS), ddp, loss_scaler=scaler
     )
     before = [p.detach().clone() for p in net.parameters()]
+    start = {k: v.clone() for k, v in net.state_dict().items()}  # skipped steps keep these
     updated = []
     for step in range(12):
         g = torch.Generator().manual_seed(step)
@@ -181,7 +220,10 @@ def _fp16() -> dict[str, object]:
         y = torch.randn(4, 2, generator=g).to(rank_device())
         opt.zero_grad()
         opt.scale_loss(F.mse_loss(ddp(x).float(), y)).backward()
-        updated.append(opt.step().updated)
+        result = opt.step()
+        if result.updated and True not in updated:  # the first update: Adam's state starts here
+            _check_first_update(opt, start, x, y)
+        updated.append(result.updated)
     moved = any(not torch.equal(a, p) for a, p in zip(before, net.parameters(), strict=True))
     state = opt.state_dict()["params"]
     for name, p in net.named_parameters():  # fp16 parameters are the rounding of fp32 masters

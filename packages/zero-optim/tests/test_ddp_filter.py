@@ -4,11 +4,16 @@ The mixture-of-experts layout: some parameters are reduced over one group, the r
 another, each wrapper owning the parameters its filter selects. Here both groups are the
 same dp group, one wrapper averaging (``"mean"``) and the other summing with
 ``grad_scale = 1/dp``; together they must equal one plain wrapper, gradients and AdamW
-steps. fp32 on CPU: rtol=1e-5, atol=1e-7 (the same per-sample gradients summed in another
-order, scaled by a power of two).
+steps. The gradients (each rank's owned shard under the distributed optimizer, all of them
+otherwise) and the optimizer's gradient norm are compared with plain autograd over the whole
+global batch: AdamW's update hardly changes when a gradient is scaled by a constant, so the
+weights alone would not notice a wrong ``grad_scale``. fp32 on CPU: rtol=1e-5, atol=1e-7
+(the same per-sample gradients summed in another order, scaled by a power of two).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,7 +23,7 @@ from torch import nn
 
 from mega_parallel_grid import ParallelConfig, init_process_groups
 from mega_parallel_grid.testing import DistPool, rank_device
-from mega_zero_optim import DistributedDataParallel, DistributedOptimizer
+from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, StepResult
 
 RTOL, ATOL = 1e-5, 1e-7
 WIDTH = 8
@@ -38,6 +43,35 @@ def _is_middle(name: str, _: nn.Parameter) -> bool:
 def _data(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return torch.randn(4 * dp, WIDTH, generator=g), torch.randn(4 * dp, 2, generator=g)
+
+
+def _global_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Plain autograd on a copy of ``net``: the gradient of the mean loss over the global batch."""
+    plain = _net()
+    plain.load_state_dict(net.state_dict())
+    F.mse_loss(plain(x.to(rank_device())), y.to(rank_device())).backward()
+    return {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+
+
+def _prefixed(where: str) -> Callable[[str], str]:
+    return lambda message: f"{where}: {message}"
+
+
+def _check_grads(
+    net: nn.Module, opt: DistributedOptimizer, expected: dict[str, torch.Tensor], distributed: bool
+) -> None:
+    """Each rank's reduced gradients: its owned pieces (distributed optimizer), else all."""
+    pieces = opt.state_dict()["params"]  # keyed "<wrapper>.<name>" with two wrappers
+    owned = {k.split(".", 1)[1]: v["pieces"] for k, v in pieces.items()}
+    assert owned.keys() == expected.keys()
+    for name, p in net.named_parameters():
+        got, want = p.main_grad.flatten(), expected[name].flatten()  # type: ignore[attr-defined]
+        ranges = [(q["start"], q["end"]) for q in owned[name]] if distributed else [(0, p.numel())]
+        for start, end in ranges:
+            where = f"{name}[{start}:{end}]"
+            torch.testing.assert_close(
+                got[start:end], want[start:end], rtol=RTOL, atol=ATOL, msg=_prefixed(where)
+            )
 
 
 def _split_wrappers(distributed: bool) -> dict[str, object]:
@@ -64,10 +98,19 @@ def _split_wrappers(distributed: bool) -> dict[str, object]:
     x, y = _data(dp)
     mine = slice(4 * rank, 4 * rank + 4)
     for _ in range(2):
+        expected = _global_grads(net, x, y)
+        results: list[StepResult] = []
         for model, o in ((net, opt), (ref, ref_opt)):
             o.zero_grad()
             F.mse_loss(model(x[mine].to(rank_device())), y[mine].to(rank_device())).backward()
-            o.step()
+            if model is net:
+                for ddp in (rest, middle):
+                    ddp.finish_grad_sync()
+                _check_grads(net, opt, expected, distributed)
+            results.append(o.step())
+        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in expected.values()])))
+        for result in results:
+            torch.testing.assert_close(result.grad_norm, norm, rtol=RTOL, atol=0.0)
     for (name, p), r in zip(net.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL, msg=name)
     return owned
