@@ -88,11 +88,16 @@ def test_bad_input_is_one_sentence(
 
 
 def test_dry_run_says_what_it_chose(capsys: pytest.CaptureFixture[str]) -> None:
+    # what it should choose, from the estimate: the largest divisor of 64 that fits
+    config = _config(("run.memory_gib", "139.8"))
+    budget = HEADROOM * 139.8 * GIB
+    expected = max(m for m in range(1, 65) if 64 % m == 0 and _need(config, m, 1) <= budget)
     code = main(["--model.size", "1b-bench", "--train.precision", "bf16", "--train.seq_len", "2048",
                  "--train.micro_batch_size", "0", "--train.global_batch_size", "64",
                  "--run.memory_gib", "139.8", "--dry-run"])  # fmt: skip
     assert code == 0
-    assert "micro_batch_size auto: 16 (estimate" in capsys.readouterr().out
+    need = _need(config, expected, 1) / GIB
+    assert f"micro_batch_size auto: {expected} (estimate {need:.1f} GiB" in capsys.readouterr().out
 
 
 def test_trainer_runs_with_auto(tmp_path: Path) -> None:

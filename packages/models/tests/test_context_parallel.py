@@ -15,7 +15,8 @@ from mega_parallel_grid.testing import DistPool, rank_device
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _check_cp(method: str, groups: int) -> float:
+def _check_cp(method: str, groups: int) -> None:
+    """This rank's outputs and q/k/v gradients equal its zigzag share of the full ones."""
     cp, rank = dist.get_world_size(), dist.get_rank()
     dev = rank_device()
     b, n, s, d = 2, 4, 16, 8
@@ -35,15 +36,13 @@ def _check_cp(method: str, groups: int) -> float:
     for mine, full in zip(local, (ref_q, ref_k, ref_v), strict=True):
         assert mine.grad is not None and full.grad is not None
         torch.testing.assert_close(mine.grad.cpu(), zigzag_split(full.grad, cp, rank, dim=2), **TOL)
-    return float((out.detach().cpu() - zigzag_split(ref, cp, rank, dim=2).detach()).abs().max())
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("method", ["ring", "all_gather"])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_cp_attention_matches_full(dist_pool: DistPool, cp: int, method: str, groups: int) -> None:
-    errors = dist_pool.run(_check_cp, cp, args=(method, groups))
-    assert len(errors) == cp
+    dist_pool.run(_check_cp, cp, args=(method, groups))  # every rank checks its own share
 
 
 def test_zigzag_positions_cover_sequence_once() -> None:

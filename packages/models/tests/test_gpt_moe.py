@@ -254,7 +254,8 @@ def _router_grad(model: GPTModel) -> torch.Tensor:
 
 
 def _aux_scale() -> None:
-    """``aux_loss_scale`` weighs the router losses in backward like a factor on the loss."""
+    """``aux_loss_scale`` weighs the router losses in backward like a factor on the loss:
+    the router's gradient equals that of ``loss + scale * aux`` with the losses added by hand."""
     config = moe()
     dev = rank_device()
     ids, labels = _batch(config, 7)
@@ -269,15 +270,17 @@ def _aux_scale() -> None:
         assert float(aux) > 0
         loss.backward()
         grads.append(_router_grad(model))
-    ref = GPTModel(config, solo_groups(), seed=3, device=dev)
-    ref_layers = [m for m in ref.modules() if isinstance(m, MoELayer)]
-    for m in ref_layers:  # the same losses added to the loss by hand instead
-        m.config = dataclasses.replace(m.config, aux_loss_in_backward=False)
-    loss = ref(ids.to(dev), labels.to(dev)).mean()
-    aux = torch.stack([m.last_stats.loss for m in ref_layers if m.last_stats is not None]).sum()
-    (loss + aux).backward()
-    router = _router_grad(ref)
-    torch.testing.assert_close(grads[0], router, rtol=1e-6, atol=1e-9)
+        ref = GPTModel(config, solo_groups(), seed=3, device=dev)
+        ref_layers = [m for m in ref.modules() if isinstance(m, MoELayer)]
+        for m in ref_layers:  # the same losses added to the loss by hand instead
+            m.config = dataclasses.replace(m.config, aux_loss_in_backward=False)
+        ref_loss = ref(ids.to(dev), labels.to(dev)).mean()
+        ref_aux = [m.last_stats.loss for m in ref_layers if m.last_stats is not None]
+        (ref_loss + scale * torch.stack(ref_aux).sum()).backward()
+        # the same operations on one device, only the backward sums grouped differently
+        torch.testing.assert_close(grads[-1], _router_grad(ref), rtol=1e-6, atol=1e-9,
+                                   msg=lambda m, s=scale: f"aux_loss_scale {s}: {m}")  # fmt: skip
+    # and the scale matters: the router losses are a visible part of the router's gradient
     assert not torch.allclose(grads[0], grads[1], rtol=1e-4, atol=0)
 
 

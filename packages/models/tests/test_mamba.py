@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -42,7 +44,8 @@ def reference(mixer: Mamba2Mixer, config: HybridConfig, x: torch.Tensor) -> torc
     conv = F.silu(conv + mixer.conv_bias).view(s, b, g, -1)
     xs, B, C = conv.split([w, n, n], dim=-1)
     xs = xs.reshape(s, b, heads, p)
-    step = F.softplus(dt.reshape(s, b, heads) + mixer.dt_bias)
+    low, high = c.mamba_dt_limit
+    step = F.softplus(dt.reshape(s, b, heads) + mixer.dt_bias).clamp(min=low, max=high)
     y = ssd_sequential(xs, step, -torch.exp(mixer.A_log), B, C) + xs * mixer.D[:, None]
     gated = y.reshape(s, b, g, w) * F.silu(z)
     rms = gated.pow(2).mean(-1, keepdim=True).add(c.norm_eps).rsqrt()
@@ -50,14 +53,24 @@ def reference(mixer: Mamba2Mixer, config: HybridConfig, x: torch.Tensor) -> torc
     return normed @ mixer.out_proj.weight.t()
 
 
-def _fp64_reference() -> None:
-    config = small()
+# the steps softplus(dt + dt_bias) of small() at seed 3 lie in ~[0.002, 0.075]: this limit
+# cuts both ends (about a third of the 192 steps below, a tenth above)
+DT_LIMIT = (0.005, 0.05)
+
+
+def _fp64_reference(changes: dict[str, object]) -> None:
+    config = small(**changes)
     mixer = Mamba2Mixer(config, tp_group=solo_groups().tp, seed=3, dtype=torch.float64)
     x = torch.randn(SEQ, BATCH, config.hidden_size, dtype=torch.float64, requires_grad=True)
     out = mixer(x)
     ref = reference(mixer, config, x)
     # fp64, same operations reordered: agreement to ~1e-15 of values of O(1)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    low, high = config.mamba_dt_limit
+    if (low, high) != (0.0, math.inf):  # each bound of the limit does bind here
+        for one_sided in ((low, math.inf), (0.0, high)):
+            other = reference(mixer, config.replace(mamba_dt_limit=one_sided), x)
+            assert not torch.allclose(out, other, rtol=1e-6, atol=0), one_sided
     grad = torch.randn_like(out)
     mine = torch.autograd.grad(out, [x, *mixer.parameters()], grad)
     theirs = torch.autograd.grad(ref, [x, *mixer.parameters()], grad)
@@ -70,8 +83,11 @@ def _fp64_reference() -> None:
     torch.testing.assert_close(mixer(x2)[:7], out[:7].detach(), rtol=0, atol=0)
 
 
-def test_mixer_matches_plain_reference_fp64(dist_pool: DistPool) -> None:
-    dist_pool.run(_fp64_reference, 1)
+@pytest.mark.parametrize("changes", [{}, {"mamba_dt_limit": DT_LIMIT}], ids=["plain", "dt-limit"])
+def test_mixer_matches_plain_reference_fp64(
+    dist_pool: DistPool, changes: dict[str, object]
+) -> None:
+    dist_pool.run(_fp64_reference, 1, args=(changes,))
 
 
 def _tp_contract(tp: int, sp: bool, changes: dict[str, object]) -> None:
