@@ -136,6 +136,8 @@ def _parallel(
         loss, result = runner.train_step(mine, LR)
         losses.append(float(loss))
         norms.append(float(result.grad_norm or 0.0))
+    for ddp in built.ddps:  # overlap_param_gather: the last step's gathers are still in flight
+        ddp.finish_param_sync()
     weights = _full_weights(built.chunks, groups.tp, gpt.vocab_size)
     return losses, norms, weights
 
@@ -206,7 +208,12 @@ MODEL_CASES = [
 @pytest.mark.parametrize(
     ("layout", "model", "dp"),
     MODEL_CASES,
-    ids=["tied-pp2-dp2", "tied-learned-pp2-dp2", "tied-qknorm-tp2-pp2-sp-dp2", "layernorm-gelu-learned-bias-tp2-cp2"],
+    ids=[
+        "tied-pp2-dp2",
+        "tied-learned-pp2-dp2",
+        "tied-qknorm-tp2-pp2-sp-dp2",
+        "layernorm-gelu-learned-bias-tp2-cp2",
+    ],
 )
 def test_model_variants_match_single_process(
     dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int

@@ -92,12 +92,17 @@ class _AllGatherSeq(torch.autograd.Function):
 def _block(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalised attention of one K/V block in fp32: (row max, row sum, weighted values)."""
+    """Unnormalised attention of one K/V block in fp32: (row max, row sum, weighted values).
+
+    A row the mask hides entirely has max -inf, sum 0 and values 0, so merging it weighs
+    it by exp(-inf) = 0 whatever the other blocks' maxima are (a stand-in max of 0 would
+    underflow the real block's weight once its scores fall below about -88).
+    """
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [b, n, sq, sk]
     scores = scores.masked_fill(~mask, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    probs = torch.exp(scores - row_max)
+    row_max = scores.amax(dim=-1, keepdim=True)  # -inf on fully masked rows
+    shift = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    probs = torch.exp(scores - shift)  # 0 where masked
     return row_max, probs.sum(dim=-1, keepdim=True), torch.matmul(probs, v.float())
 
 
@@ -141,9 +146,10 @@ def context_parallel_attention(
         m, s, o = _block(q, k_blk, v_blk, mask, scale)
         if out is None or total is None or running_max is None:
             out, total, running_max = o, s, m
-        else:  # merge by log-sum-exp, in fp32
+        else:  # merge by log-sum-exp, in fp32; the first block (this rank's own, holding
+            # each query's own position) leaves every running max finite
             new_max = torch.maximum(running_max, m)
-            a, b = torch.exp(running_max - new_max), torch.exp(m - new_max)
+            a, b = torch.exp(running_max - new_max), torch.exp(m - new_max)  # exp(-inf) = 0
             out, total, running_max = out * a + o * b, total * a + s * b, new_max
         if step < cp - 1:
             kv = _RingShift.apply(kv, cp_group)
