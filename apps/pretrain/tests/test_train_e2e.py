@@ -100,3 +100,54 @@ def test_sigterm_saves_and_exits_zero(tmp_path: Path) -> None:
     assert "stopped by SIGTERM" in out
     latest = (tmp_path / "runs/tiny/checkpoints/latest").read_text().strip()
     assert latest.startswith("step_") and int(latest[5:]) < 100000
+
+
+def _resume_with(out_dir: str, extra: list[tuple[str, str]]) -> tuple[str, list[float]]:
+    """Train 3 steps and stop, then resume with ``extra``: the error, or the weight decay
+    and betas the optimizer runs with after the resume."""
+    _train(out_dir, "changed", [("train.exit_interval", "3"), ("train.eval_interval", "0")])
+    os.environ["MEGA_PRETRAIN_CACHE"] = str(Path(out_dir) / "cache")
+    base = [*COMMON, ("train.eval_interval", "0"), ("run.out_dir", out_dir)]
+    config = load_config(None, [*base, ("run.name", "changed"), *extra])
+    import mega_pretrain.train as train_module
+
+    seen: list[float] = []
+    original = train_module.apply_optimizer_settings
+
+    def spy(optimizer: object, t: object) -> list[str]:
+        notes = original(optimizer, t)  # type: ignore[arg-type]
+        groups = optimizer.optimizer.param_groups  # type: ignore[attr-defined]
+        seen.extend([groups[0]["weight_decay"], groups[1]["weight_decay"], *groups[0]["betas"]])
+        return notes
+
+    train_module.apply_optimizer_settings = spy  # type: ignore[assignment]
+    try:
+        train(config)
+    except ValueError as exc:
+        return str(exc), seen
+    finally:
+        train_module.apply_optimizer_settings = original
+    return "", seen
+
+
+def test_resume_keeps_this_runs_optimizer_settings(dist_pool: DistPool, tmp_path: Path) -> None:
+    extra = [("train.weight_decay", "0.5"), ("train.beta2", "0.99")]
+    error, seen = dist_pool.run(_resume_with, 1, args=(str(tmp_path), extra))[0]
+    assert error == ""
+    assert seen == [0.5, 0.0, 0.9, 0.99]  # not the checkpoint's 0.1 and 0.95
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([("train.seq_len", "16")], "was trained with train.seq_len 32 but this run has 16"),
+        ([("train.seed", "9")], "was trained with train.seed 1234 but this run has 9"),
+        ([("train.steps", "2")], "is at step 3 but train.steps is 2; raise train.steps"),
+    ],
+    ids=["seq_len", "seed", "steps"],
+)
+def test_resume_that_cannot_continue_is_one_sentence(
+    dist_pool: DistPool, tmp_path: Path, extra: list[tuple[str, str]], message: str
+) -> None:
+    error, _ = dist_pool.run(_resume_with, 1, args=(str(tmp_path), extra))[0]
+    assert message in error

@@ -23,7 +23,7 @@ from mega_models import (
 )
 from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
-from mega_pretrain.config import TrainerConfig
+from mega_pretrain.config import TrainConfig, TrainerConfig
 from mega_tp_layers import Fp8Recipe, RNGStatesTracker, tp_rng_tracker
 from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, DynamicLossScaler
 
@@ -164,6 +164,22 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
     )  # fmt: skip
     return Built(chunks, ddp, optimizer, rng, expert_ddp)
+
+
+def apply_optimizer_settings(optimizer: DistributedOptimizer, train: TrainConfig) -> list[str]:
+    """Set AdamW's betas, eps and weight decay from ``train`` (after a checkpoint brought its
+    own); return one "name old -> new" note per setting that changed."""
+    notes: list[str] = []
+    groups = optimizer.optimizer.param_groups  # [decay, no decay], as built above
+    for index, group in enumerate(groups):
+        wanted = {"betas": (train.beta1, train.beta2), "eps": train.eps,
+                  "weight_decay": train.weight_decay if index == 0 else 0.0}  # fmt: skip
+        for key, value in wanted.items():
+            old = tuple(group[key]) if key == "betas" else group[key]
+            if old != value and index == 0:
+                notes.append(f"{key} {old} -> {value}")
+            group[key] = value
+    return notes
 
 
 def _expert(_: str, param: nn.Parameter) -> bool:

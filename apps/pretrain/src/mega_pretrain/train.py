@@ -17,7 +17,14 @@ from rich.console import Console
 from mega_models import GPTConfig, GPTModel, HybridModel
 from mega_parallel_grid import init_process_groups
 from mega_pretrain.auto_batch import resolve_micro_batch
-from mega_pretrain.build import build, flops_per_token, gpt_config, parallel_config, param_dtype
+from mega_pretrain.build import (
+    apply_optimizer_settings,
+    build,
+    flops_per_token,
+    gpt_config,
+    parallel_config,
+    param_dtype,
+)
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mega_pretrain.config import TrainerConfig, config_to_dict
 from mega_pretrain.data import (
@@ -129,7 +136,11 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     if source is not None:
         state = load_checkpoint(source, built, groups)
         step, consumed = int(state["step"]), int(state["consumed_samples"])
+        check_resume(state.get("config"), config, step, consumed, source)
+        changed = apply_optimizer_settings(built.optimizer, t)  # this run's settings win
         console.print(f"resumed from {source} at step {step}")
+        if changed:
+            console.print(f"optimizer settings changed on resume: {', '.join(changed)}")
     metrics = MetricsLogger(run_dir, enabled=rank0, tensorboard=config.run.tensorboard)
     stop = StopRequest()
     sampler = iter(
@@ -245,13 +256,57 @@ def _resume_source(config: TrainerConfig, run_dir: Path) -> Path | None:
     return Path(load)
 
 
+#: settings that decide which samples a step reads: a resumed run must keep them
+_DATA_ORDER = (("train", "seq_len"), ("train", "seed"), ("data", "paths"),
+               ("data", "weights"), ("data", "valid_fraction"))  # fmt: skip
+
+
+def check_resume(saved: Any, config: TrainerConfig, step: int, consumed: int, source: Path) -> None:
+    """Raise ValueError (one sentence) when resuming ``source`` with this config cannot
+    continue the run: the data order would change under samples already consumed, or the
+    run has no steps left. (A checkpoint that consumed nothing, e.g. one converted from
+    Hugging Face, starts on any data.)"""
+    if step > config.train.steps:
+        raise ValueError(
+            f"the checkpoint {source} is at step {step} but train.steps is "
+            f"{config.train.steps}; raise train.steps, or start a new run (another run.name "
+            "or checkpoint.load none)"
+        )
+    if not isinstance(saved, dict) or consumed == 0:
+        return
+    mine = config_to_dict(config)
+    for section, key in _DATA_ORDER:
+        recorded = saved.get(section, {})
+        if key not in recorded:  # a checkpoint from before the setting existed
+            continue
+        old, new = recorded[key], mine[section][key]
+        before = list(old) if isinstance(old, list | tuple) else old
+        now = list(new) if isinstance(new, list | tuple) else new
+        if before != now:
+            raise ValueError(
+                f"the checkpoint {source} was trained with {section}.{key} {before!r} but this "
+                f"run has {now!r}, which changes the order of the samples it continues from; "
+                f"resume with {before!r}, or start a new run (another run.name or "
+                "checkpoint.load none)"
+            )
+
+
 def _evaluate(
     runner: StepRunner, valid_set: Any, config: TrainerConfig, dp_rank: int, dp: int,
     metrics: MetricsLogger, step: int, console: Console,
 ) -> None:  # fmt: skip
-    t = config.train
+    t, p = config.train, config.parallel
     count = min(t.eval_steps, len(valid_set) // (t.micro_batch_size * dp))
+    if p.vpp:  # the interleaved schedule runs a multiple of pp micro-batches
+        count -= count % p.pp
     if count == 0:
+        if not getattr(_evaluate, "warned", False):
+            _evaluate.warned = True  # type: ignore[attr-defined]
+            console.print(
+                f"[yellow]evaluation skipped: the validation split has {len(valid_set)} "
+                f"samples, fewer than one micro-batch per dp rank and pipeline stage; raise "
+                f"data.valid_fraction or set train.eval_interval 0[/yellow]"
+            )
         return
     sampler = iter(DistributedBatchSampler(len(valid_set), 0, t.micro_batch_size, dp_rank, dp))
     loss = float(runner.eval_step(_microbatches(valid_set, sampler, count)))

@@ -62,6 +62,17 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             raise ValueError(
                 f"model.{label} ({count}) is not divisible by tp ({p.tp}); choose tp dividing {count}"
             )
+    dense_layers = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
+    if dense_layers and model.ffn_size % p.tp:
+        raise ValueError(
+            f"the FFN size (model.ffn_hidden_size, {model.ffn_size}) is not divisible by tp "
+            f"({p.tp}); choose a multiple of {p.tp}"
+        )
+    if isinstance(model, HybridConfig) and model.mamba_num_groups % p.tp:
+        raise ValueError(
+            f"model.mamba_num_groups ({model.mamba_num_groups}) is not divisible by tp "
+            f"({p.tp}); choose tp dividing {model.mamba_num_groups} or more groups"
+        )
     if t.fp8 and t.precision != "bf16":
         raise ValueError(
             f"train.fp8 needs train.precision bf16, not {t.precision}; set train.precision bf16 "
@@ -108,6 +119,23 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
         raise ValueError(
             f"train.lr ({t.lr}), min_lr ({t.min_lr}) and warmup_steps ({t.warmup_steps}) must be positive"
         )
+    _check_optimizer(config)
+    if t.eval_interval > 0:
+        if t.eval_steps < 1:
+            raise ValueError(
+                f"train.eval_steps ({t.eval_steps}) must be at least 1 while train.eval_interval "
+                f"({t.eval_interval}) > 0; raise it, or set eval_interval 0 to turn evaluation off"
+            )
+        if p.vpp and t.eval_steps % p.pp:
+            raise ValueError(
+                f"the interleaved schedule evaluates a multiple of pp ({p.pp}) micro-batches, "
+                f"but train.eval_steps is {t.eval_steps}; choose a multiple of {p.pp}"
+            )
+    if config.checkpoint.keep_last < 1:
+        raise ValueError(
+            f"checkpoint.keep_last ({config.checkpoint.keep_last}) must be at least 1 (the "
+            "checkpoints kept on disk); choose 1 or more"
+        )
     if not 0.0 <= config.data.valid_fraction < 1.0:
         raise ValueError(f"data.valid_fraction ({config.data.valid_fraction}) must be in [0, 1)")
     if config.data.weights and len(config.data.weights) != len(config.data.paths):
@@ -116,6 +144,29 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             f"{len(config.data.paths)}; give one weight per path"
         )
     return layout
+
+
+def _check_optimizer(config: TrainerConfig) -> None:
+    """AdamW's and the schedule's numbers in their ranges."""
+    t = config.train
+    if t.min_lr > t.lr:
+        raise ValueError(
+            f"train.min_lr ({t.min_lr}) is above train.lr ({t.lr}); the schedule decays from "
+            "lr to min_lr, so choose min_lr <= lr"
+        )
+    for name in ("beta1", "beta2"):
+        value = getattr(t, name)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"train.{name} ({value}) must be in [0, 1), e.g. 0.9 or 0.95")
+    if t.eps <= 0:
+        raise ValueError(f"train.eps ({t.eps}) must be positive, e.g. 1e-8")
+    if not 0.0 <= t.wsd_decay_fraction <= 1.0:
+        raise ValueError(
+            f"train.wsd_decay_fraction ({t.wsd_decay_fraction}) must be in [0, 1], the share "
+            "of the steps spent decaying"
+        )
+    if t.seed < 0:
+        raise ValueError(f"train.seed ({t.seed}) must be a non-negative integer")
 
 
 def _check_moe(config: TrainerConfig, model: GPTConfig) -> None:
