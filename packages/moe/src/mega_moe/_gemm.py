@@ -48,14 +48,22 @@ def _contiguous(grad: Tensor) -> Tensor:
     return grad.contiguous()
 
 
+def _offsets(ends: list[int], device: torch.device) -> Tensor:
+    """``ends`` as an int32 tensor on ``device``; to a GPU through pinned memory without
+    blocking (a plain copy from pageable memory would synchronise the stream every call)."""
+    host = torch.tensor(ends, dtype=torch.int32)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def grouped_linear(x: Tensor, weight: Tensor, counts: list[int], use_grouped_mm: bool) -> Tensor:
     """``[M, in] -> [M, out]``: rows of expert l (``counts[l]`` of them) times ``weight[l].T``.
 
     ``weight`` is ``[L, out, in]`` (the nn.Linear layout per expert).
     """
     if use_grouped_mm:
-        ends = list(accumulate(counts))
-        offs = torch.tensor(ends, dtype=torch.int32, device=x.device)
+        offs = _offsets(list(accumulate(counts)), x.device)
         out: Tensor = torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
         if out.requires_grad:
             out.register_hook(_contiguous)  # type: ignore[no-untyped-call]  # dense grads
