@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -151,3 +152,37 @@ def test_resume_that_cannot_continue_is_one_sentence(
 ) -> None:
     error, _ = dist_pool.run(_resume_with, 1, args=(str(tmp_path), extra))[0]
     assert message in error
+
+
+def _skip_second_step(out_dir: str) -> tuple[int, str | None, list[int]]:
+    """Step 2 has non-finite gradients under nan_policy skip, and exit_interval is 2: the
+    skipped step still counts, and the run still stops and saves at step 2."""
+    from mega_pretrain.step import StepRunner
+
+    original = StepRunner.train_step
+    calls = {"n": 0}
+
+    def flaky(self: StepRunner, batches: Any, lr: float) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise FloatingPointError("non-finite gradient norm (injected)")
+        return original(self, batches, lr)
+
+    StepRunner.train_step = flaky  # type: ignore[method-assign]
+    try:
+        os.environ["MEGA_PRETRAIN_CACHE"] = str(Path(out_dir) / "cache")
+        extra = [("train.nan_policy", "skip"), ("train.exit_interval", "2"),
+                 ("train.eval_interval", "0"), ("run.out_dir", out_dir), ("run.name", "skip")]  # fmt: skip
+        summary = train(load_config(None, [*COMMON, *extra]))
+    finally:
+        StepRunner.train_step = original  # type: ignore[method-assign]
+    lines = (Path(out_dir) / "skip" / "metrics.jsonl").read_text().splitlines()
+    logged = [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    return summary.last_step, summary.stopped_by, logged
+
+
+def test_a_skipped_step_still_counts_for_exit_and_save(dist_pool: DistPool, tmp_path: Path) -> None:
+    last, stopped_by, logged = dist_pool.run(_skip_second_step, 1, args=(str(tmp_path),))[0]
+    assert (last, stopped_by) == (2, "exit_interval")
+    assert logged == [1]  # the skipped step logs no loss
+    assert (tmp_path / "skip" / "checkpoints" / "step_00000002").is_dir()

@@ -137,6 +137,15 @@ class StepRunner:
         return loss, result
 
     @torch.no_grad()
+    def discard_step(self) -> None:
+        """After a skipped step (non-finite gradients): drop what its forwards counted
+        toward the next expert-bias update, as they drop their gradients."""
+        for layer in self.moe_layers:
+            load = getattr(layer.router, "load", None)
+            if isinstance(load, Tensor):
+                load.zero_()
+
+    @torch.no_grad()
     def eval_step(self, batches: Sequence[Microbatch]) -> Tensor:
         """Mean loss over ``batches`` with no gradient and no update."""
         for chunk in self.built.chunks:

@@ -168,20 +168,18 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                        total_steps=t.steps, decay=t.decay, wsd_decay_fraction=t.wsd_decay_fraction)  # fmt: skip
             batches = _microbatches(train_set, sampler, microbatches)
+            skipped = False
             try:
                 loss, result = runner.train_step(batches, lr)
             except FloatingPointError as exc:
-                if t.nan_policy == "skip":
-                    console.print(f"step {step + 1}: skipped ({exc})")
-                    step, consumed = step + 1, consumed + t.global_batch_size
-                    continue
-                raise TrainingError(f"step {step + 1}: {exc}") from None
-            step, consumed, window_steps = (
-                step + 1,
-                consumed + t.global_batch_size,
-                window_steps + 1,
-            )
-            if step % t.log_interval == 0 or step == t.steps:
+                if t.nan_policy != "skip":
+                    raise TrainingError(f"step {step + 1}: {exc}") from None
+                console.print(f"step {step + 1}: skipped ({exc})")
+                runner.discard_step()
+                skipped = True
+            step, consumed = step + 1, consumed + t.global_batch_size
+            window_steps += 0 if skipped else 1
+            if not skipped and (step % t.log_interval == 0 or step == t.steps):
                 value = float(loss)
                 if not math.isfinite(value):
                     raise TrainingError(
@@ -214,7 +212,12 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                 live.advance(step, f"loss {value:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s{mfu}")
                 window_start, window_steps = time.perf_counter(), 0
             live.advance(step)
-            if valid_set is not None and t.eval_interval and step % t.eval_interval == 0:
+            if (
+                not skipped
+                and valid_set is not None
+                and t.eval_interval
+                and step % t.eval_interval == 0
+            ):
                 _evaluate(runner, valid_set, config, dp_rank, dp, metrics, step, console)
             if stop.requested():
                 stopped_by = stop.signal_name or "signal"
