@@ -110,7 +110,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer layer."""
     log_interval: int = 10
-    """Steps between log lines (the only host syncs of the loop)."""
+    """Steps between log lines (where the loss is read on the host; bench/NOTES.md lists the
+    other per-step host reads)."""
     eval_interval: int = 100
     """Steps between evaluations on the validation split (0 disables)."""
     eval_steps: int = 4
