@@ -90,3 +90,31 @@ def _no_host_sync_when_padded() -> int:
 
 def test_padded_all_to_all_needs_no_host_sync(dist_pool: DistPool) -> None:
     assert dist_pool.run(_no_host_sync_when_padded, 2) == [1, 1]
+
+
+def _uneven_padded() -> str:
+    from mega_moe import MoELayer
+    from mega_parallel_grid import ParallelConfig, init_process_groups
+    from mega_parallel_grid.testing import rank_device
+
+    groups = init_process_groups(ParallelConfig(ep=2))
+    router = RouterConfig(num_experts=8, top_k=2, capacity_factor=1.0, pad_to_capacity=True)
+    cfg = MoEConfig(router=router, ffn_hidden_size=32)
+    dev = rank_device()
+    layer = MoELayer(
+        16, cfg, ep_group=groups.ep, etp_group=groups.etp, tp_group=groups.tp, device=dev
+    )
+    s = 6 if torch.distributed.get_rank() == 0 else 4  # 12 vs 8 tokens
+    try:
+        layer(torch.randn(s, 2, 16, device=dev))
+    except ValueError as exc:
+        return str(exc)
+    return "no error raised"
+
+
+def test_padded_all_to_all_with_unequal_token_counts_is_one_sentence(
+    dist_pool: DistPool,
+) -> None:
+    for message in dist_pool.run(_uneven_padded, 2):  # every rank, no hang
+        assert "pad_to_capacity needs every ep rank to route the same number of tokens" in message
+        assert "[12, 8]" in message

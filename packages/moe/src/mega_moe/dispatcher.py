@@ -103,6 +103,25 @@ class _Dispatcher:
         self.num_experts, self.ep = num_experts, ep
         self.num_local = num_experts // ep
         self.first_expert = group_rank(ep_group) * self.num_local
+        self._counts_checked: set[int] = set()
+
+    def _check_same_token_count(self, n: int, device: torch.device) -> None:
+        """Padded chunks take their sizes from this rank's token count, so every ep and etp
+        rank must route as many tokens: checked once per count (a small all-gather and one
+        host read), so that a mismatch is one sentence on every rank, not a hang."""
+        if n in self._counts_checked:
+            return
+        for label, group in (("ep", self.ep_group), ("etp", self.etp_group)):
+            if group_size(group) > 1:
+                mine = torch.tensor([n], dtype=torch.long, device=device)
+                counts = all_gather_no_grad(mine, group).flatten().tolist()
+                if len(set(counts)) > 1:
+                    raise ValueError(
+                        f"pad_to_capacity needs every {label} rank to route the same number "
+                        f"of tokens, but they route {counts}; give every rank micro-batches of "
+                        "one shape, or turn pad_to_capacity off"
+                    )
+        self._counts_checked.add(n)
 
     def __repr__(self) -> str:
         return (
@@ -128,6 +147,7 @@ class AllToAllDispatcher(_Dispatcher):
         e, ep, local = self.num_experts, self.ep, self.num_local
         if routing.pad_to_capacity:
             assert routing.capacity is not None
+            self._check_same_token_count(tokens.shape[0], tokens.device)
             perm = capacity_slots(routing.routing_map, routing.capacity)
             counts = torch.full((e,), routing.capacity, dtype=torch.long, device=tokens.device)
         else:
