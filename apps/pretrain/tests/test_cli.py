@@ -179,3 +179,18 @@ def test_optional_fields_unset_from_the_command_line(word: str) -> None:
 
     config = load_config(Path(__file__).parents[3] / "configs/8b.toml", [("parallel.vpp", word)])
     assert config.parallel.vpp is None  # the file sets vpp = 2
+
+
+def test_too_small_validation_split_is_one_sentence(tmp_path: Path) -> None:
+    corpus = tmp_path / "short.jsonl"  # 30 documents of ~22 byte tokens; 2 held out
+    corpus.write_text(
+        "".join(json.dumps({"text": f"document {i:02d} " * 2}) + "\n" for i in range(30))
+    )
+    done = _run(["preprocess", str(corpus), "--output", str(tmp_path / "data/short")], tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = _run(["--train.steps", "1", "--data.paths", str(tmp_path / "data/short"),
+                 "--data.valid_fraction", "0.05", "--run.tensorboard", "false"], tmp_path)  # fmt: skip
+    assert done.returncode == 2
+    assert "(data.valid_fraction 0.05) holds" in done.stderr
+    assert "raise data.valid_fraction, or set it to 0" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -29,6 +29,7 @@ from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from mega_pretrain.config import TrainerConfig, config_to_dict
 from mega_pretrain.data import (
     BlendedDataset,
+    DataError,
     DistributedBatchSampler,
     GPTDataset,
     IndexedTokenDataset,
@@ -77,6 +78,13 @@ def _datasets(config: TrainerConfig, model: GPTConfig, samples: int) -> tuple[An
                 f"model has vocab_size {model.vocab_size}; set --model.vocab_size {indexed.vocab_size}"
             )
         train_docs, valid_docs = split_train_valid(indexed, d.valid_fraction, t.seed)
+        if len(valid_docs) and valid_docs.num_tokens < t.seq_len + 1:
+            raise DataError(
+                f"the validation split of {prefix} (data.valid_fraction {d.valid_fraction}) "
+                f"holds {valid_docs.num_tokens} tokens, fewer than seq_len + 1 "
+                f"({t.seq_len + 1}) that one sample needs; raise data.valid_fraction, or set "
+                "it to 0 to train without evaluation"
+            )
         trains.append(GPTDataset(train_docs, t.seq_len, seed=t.seed, num_samples=samples))
         valids.append(
             GPTDataset(valid_docs, t.seq_len, seed=t.seed, shuffle=False)
