@@ -85,6 +85,10 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
         (["--train.eps", "0"], "train.eps (0.0) must be positive"),
         (["--train.wsd_decay_fraction", "2"], "train.wsd_decay_fraction (2.0) must be in [0, 1]"),
         (["--train.seed", "-1"], "train.seed (-1) must be a non-negative integer"),
+        (
+            ["--data.paths", "no/such/prefix"],
+            "data.paths entry 'no/such/prefix' has no no/such/prefix.idx or no/such/prefix.bin",
+        ),
         (["--config", "missing.toml"], "config file 'missing.toml' does not exist"),
         (["--train.lr"], "setting --train.lr has no value"),
     ],

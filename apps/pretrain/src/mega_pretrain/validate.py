@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from mega_models import GPTConfig, HybridConfig
 from mega_parallel_grid import ParallelConfig, RankLayout
 from mega_pretrain.config import TrainerConfig
@@ -138,6 +140,15 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
         )
     if not 0.0 <= config.data.valid_fraction < 1.0:
         raise ValueError(f"data.valid_fraction ({config.data.valid_fraction}) must be in [0, 1)")
+    for prefix in config.data.paths:
+        missing = [
+            f"{prefix}{ext}" for ext in (".idx", ".bin") if not Path(f"{prefix}{ext}").is_file()
+        ]
+        if missing:
+            raise ValueError(
+                f"data.paths entry {prefix!r} has no {' or '.join(missing)}; give the prefix "
+                "`mega-pretrain preprocess --output` wrote (without .idx/.bin)"
+            )
     if config.data.weights and len(config.data.weights) != len(config.data.paths):
         raise ValueError(
             f"data.weights has {len(config.data.weights)} entries but data.paths has "
