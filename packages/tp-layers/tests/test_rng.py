@@ -97,3 +97,20 @@ def test_fork_restores_the_state_after_an_exception() -> None:
             torch.rand(3)
             raise RuntimeError("boom")
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_nested_fork_of_the_same_state_is_one_sentence() -> None:
+    tracker = RNGStatesTracker()
+    tracker.add("a", 11)
+    tracker.add("b", 12)
+    with tracker.fork("a"):
+        first = torch.rand(3)
+        with tracker.fork("b"):  # another state nests fine
+            torch.rand(1)
+        with pytest.raises(ValueError, match=r"RNG state 'a' is already forked"):
+            with tracker.fork("a"):
+                pass
+        second = torch.rand(3)
+    assert not torch.equal(first, second)
+    with tracker.fork("a"):  # usable again after the failed nesting
+        torch.rand(1)

@@ -9,6 +9,8 @@ CPU and GPU kernels round differently, which this tolerance does not cover.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -175,3 +177,30 @@ def _check_language_model(tp: int, sp: bool) -> None:
 @pytest.mark.parametrize(("tp", "sp"), CASES, ids=IDS)
 def test_language_model_loss_matches_single_process(dist_pool: DistPool, tp: int, sp: bool) -> None:
     dist_pool.run(_check_language_model, tp, args=(tp, sp))
+
+
+def _out_of_range_targets(tp: int) -> tuple[list[float], float]:
+    """Targets in the padding ([V, V_pad)), beyond it, and negative (not ignore_index)."""
+    g = init_process_groups(ParallelConfig(tp=tp)).tp
+    rank, dev = dist.get_rank(g), rank_device()
+    vocab = 7  # padded to 8 at tp 2 and 4
+    padded = padded_vocab_size(vocab, tp)
+    assert padded > vocab, "the case needs a padded vocabulary"
+    logits = torch.randn(4, 1, padded, generator=torch.Generator().manual_seed(1)).to(dev)
+    targets = torch.tensor([[2], [padded - 1], [padded + 5], [-3]], device=dev)
+    shard = shard_tensor(logits, -1, rank, tp).requires_grad_()
+    loss = vocab_parallel_cross_entropy(shard, targets, g, vocab_size=vocab)
+    loss[0].sum().backward()  # only the valid token's loss is finite
+    assert shard.grad is not None
+    full = [torch.empty_like(shard.grad) for _ in range(tp)]
+    dist.all_gather(full, shard.grad.detach().contiguous(), group=g)
+    pad_grad = torch.cat(full, -1)[..., vocab:]
+    return loss.flatten().tolist(), float(pad_grad.abs().max())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_targets_outside_the_vocabulary_give_an_infinite_loss(dist_pool: DistPool, tp: int) -> None:
+    for losses, pad_grad in dist_pool.run(_out_of_range_targets, tp, args=(tp,)):
+        assert math.isfinite(losses[0])
+        assert losses[1:] == [math.inf] * 3  # never a finite wrong loss
+        assert pad_grad == 0.0

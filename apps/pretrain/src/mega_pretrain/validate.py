@@ -110,6 +110,12 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             f"({p.pp}*{p.vpp or 1} = {stages}) stages; change the layer count or the sizes, "
             "or give parallel.pp_layers"
         )
+    if p.overlap_param_gather and p.distributed_optimizer and model.tie_embeddings and p.pp > 1:
+        raise ValueError(
+            "parallel.overlap_param_gather with model.tie_embeddings at pp > 1 is not supported: "
+            "the last stage reads the tied embedding outside the module whose forward waits for "
+            "its gather; turn overlap_param_gather off or untie the embeddings"
+        )
     if p.ep > 1 and not model.is_moe:
         raise ValueError(
             f"ep ({p.ep}) > 1 needs an MoE model; this GPT has no expert layers "

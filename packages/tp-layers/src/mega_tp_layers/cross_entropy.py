@@ -45,7 +45,10 @@ class _VocabParallelCrossEntropy(Function):
         if tp > 1:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         shifted.sub_(top.unsqueeze(-1))
-        outside = (targets < start) | (targets >= start + per_rank)
+        # a target outside the real vocabulary (in the padding or beyond) is no rank's: its
+        # loss is +inf below, as nothing can be checked on the host without a sync
+        bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
+        outside = (targets < start) | (targets >= start + per_rank) | bad
         local_t = (targets - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
         smooth_sum = shifted[..., :valid].sum(dim=-1) if label_smoothing > 0.0 else None
@@ -62,7 +65,7 @@ class _VocabParallelCrossEntropy(Function):
             smooth = log_z - stats[2] / vocab_size  # mean over the vocabulary of -log p
             loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
         ignored = targets == ignore_index
-        loss = loss.masked_fill(ignored, 0.0)
+        loss = loss.masked_fill(ignored, 0.0).masked_fill(bad, float("inf"))
         softmax = exp.div_(stats[1].unsqueeze(-1))
         ctx.save_for_backward(softmax, local_t, outside, ignored)
         ctx.label_smoothing, ctx.valid, ctx.vocab_size = label_smoothing, valid, vocab_size

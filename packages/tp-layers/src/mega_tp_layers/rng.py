@@ -37,6 +37,7 @@ class RNGStatesTracker:
             raise ValueError(f"RNGStatesTracker supports cpu and cuda devices, got {device}")
         self._states: dict[str, Tensor] = {}
         self._seeds: dict[str, int] = {}
+        self._forked: list[str] = []
 
     def _generator(self) -> torch.Generator:
         if self.device.type == "cpu":
@@ -66,12 +67,19 @@ class RNGStatesTracker:
         if name not in self._states:
             known = ", ".join(self._states) or "none"
             raise ValueError(f"RNG state {name!r} is not tracked (tracked: {known}); add it first")
+        if name in self._forked:
+            raise ValueError(
+                f"RNG state {name!r} is already forked; a nested fork of it would draw again "
+                "the numbers the outer block drew, so draw inside the outer block instead"
+            )
         generator = self._generator()
         outer = generator.get_state()
         generator.set_state(self._states[name])
+        self._forked.append(name)
         try:
             yield
         finally:
+            self._forked.remove(name)
             self._states[name] = generator.get_state()
             generator.set_state(outer)
 
