@@ -189,3 +189,15 @@ def test_unseeded_layers_are_tp_independent_too(dist_pool: DistPool) -> None:
     one = dist_pool.run(_default_generator_weights, 1, args=(1,), seed=9)[0]
     assert dist_pool.run(_default_generator_weights, 2, args=(2,), seed=9) == [one, one]
     assert dist_pool.run(_default_generator_weights, 4, args=(4,), seed=9)[3] == one
+
+
+def test_shard_tensor_rejects_a_full_tensor_of_another_shape() -> None:
+    from mega_tp_layers import ShardSpec, shard_tensor
+
+    spec = ShardSpec(
+        dim=0, num_shards=2, shard_rank=0, group="tp", full_shape=(8, 4), duplicate=False
+    )
+    assert shard_tensor(torch.ones(7, 4), spec).shape == (4, 4)  # shorter: padded (vocabulary)
+    for bad in (torch.ones(10, 4), torch.ones(8, 5)):
+        with pytest.raises(ValueError, match=r"but the shard spec describes \(8, 4\)"):
+            shard_tensor(bad, spec)

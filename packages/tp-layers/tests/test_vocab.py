@@ -204,3 +204,18 @@ def test_targets_outside_the_vocabulary_give_an_infinite_loss(dist_pool: DistPoo
         assert math.isfinite(losses[0])
         assert losses[1:] == [math.inf] * 3  # never a finite wrong loss
         assert pad_grad == 0.0
+
+
+def _gathered_padded_head(tp: int) -> tuple[int, ...]:
+    g = init_process_groups(ParallelConfig(tp=tp)).tp
+    head = ColumnParallelLinear(
+        H, 7, tp_group=g, bias=False, pad_out_features=True, gather_output=True, seed=SEED,
+        device=rank_device(),
+    )  # fmt: skip
+    assert head.out_features_per_rank * tp > 7  # padded
+    return tuple(head(torch.randn(S, B, H, device=rank_device())).shape)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gathered_output_of_a_padded_head_has_the_real_width(dist_pool: DistPool, tp: int) -> None:
+    assert dist_pool.run(_gathered_padded_head, tp, args=(tp,)) == [(S, B, 7)] * tp

@@ -328,11 +328,14 @@ class ColumnParallelLinear(ShardedModule):
             result: Tensor = out
             return result
         bias = None if self.skip_bias_add else self.bias
-        return column_parallel_linear(
+        out = column_parallel_linear(
             x, self.weight, bias, tp_group=self.tp_group,
             sequence_parallel=sp, gather_output=self.gather_output, fp8=self.fp8,
             tp_comm_overlap=self.tp_comm_overlap,
         )  # fmt: skip
+        if self.gather_output and out.shape[-1] != self.out_features:
+            out = out[..., : self.out_features]  # padded rows' outputs are not the layer's
+        return out
 
     def extra_repr(self) -> str:
         return (

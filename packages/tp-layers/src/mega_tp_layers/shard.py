@@ -174,6 +174,11 @@ def shard_tensor(
         pad_shape = list(full.shape)
         pad_shape[dim] = spec.full_shape[dim] - full.shape[dim]
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    if isinstance(spec, ShardSpec) and tuple(full.shape) != tuple(spec.full_shape):
+        raise ValueError(
+            f"the full tensor has shape {tuple(full.shape)} but the shard spec describes "
+            f"{tuple(spec.full_shape)}; pass the whole tensor this parameter was sharded from"
+        )
     if full.shape[dim] % num_shards != 0:
         raise ValueError(
             f"dimension {dim} of the full tensor ({full.shape[dim]}) is not divisible by "
