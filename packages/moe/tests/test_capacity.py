@@ -53,7 +53,8 @@ def test_capacity_with_expert_tensor_parallel(dist_pool: DistPool) -> None:
     dist_pool.run(run_case, 4, args=(cfg,), kwargs={"ep": 2, "etp": 2})
 
 
-def _no_host_sync_when_padded() -> int:
+def _padded_layer() -> Any:
+    """An ep 2 MoE layer with the padded all-to-all dispatcher (8 experts, top 2)."""
     from mega_moe import MoELayer
     from mega_parallel_grid import ParallelConfig, init_process_groups
     from mega_parallel_grid.testing import rank_device
@@ -61,10 +62,17 @@ def _no_host_sync_when_padded() -> int:
     groups = init_process_groups(ParallelConfig(ep=2))
     router = RouterConfig(num_experts=8, top_k=2, capacity_factor=1.0, pad_to_capacity=True)
     cfg = MoEConfig(router=router, ffn_hidden_size=32)
+    return MoELayer(
+        16, cfg, ep_group=groups.ep, etp_group=groups.etp, tp_group=groups.tp,
+        device=rank_device(),
+    )  # fmt: skip
+
+
+def _no_host_sync_when_padded() -> int:
+    from mega_parallel_grid.testing import rank_device
+
     dev = rank_device()
-    layer = MoELayer(
-        16, cfg, ep_group=groups.ep, etp_group=groups.etp, tp_group=groups.tp, device=dev
-    )
+    layer = _padded_layer()
     x = torch.randn(6, 2, 16, device=dev, requires_grad=True)  # [s, b, h]
     layer(x).sum().backward()  # warm-up outside the check
 
@@ -93,17 +101,10 @@ def test_padded_all_to_all_needs_no_host_sync(dist_pool: DistPool) -> None:
 
 
 def _uneven_padded() -> str:
-    from mega_moe import MoELayer
-    from mega_parallel_grid import ParallelConfig, init_process_groups
     from mega_parallel_grid.testing import rank_device
 
-    groups = init_process_groups(ParallelConfig(ep=2))
-    router = RouterConfig(num_experts=8, top_k=2, capacity_factor=1.0, pad_to_capacity=True)
-    cfg = MoEConfig(router=router, ffn_hidden_size=32)
     dev = rank_device()
-    layer = MoELayer(
-        16, cfg, ep_group=groups.ep, etp_group=groups.etp, tp_group=groups.tp, device=dev
-    )
+    layer = _padded_layer()
     s = 6 if torch.distributed.get_rank() == 0 else 4  # 12 vs 8 tokens
     try:
         layer(torch.randn(s, 2, 16, device=dev))

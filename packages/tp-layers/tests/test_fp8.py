@@ -22,12 +22,17 @@ test_linear.py).
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tp_testing import error_messages
 from torch import Tensor
 
 from mega_parallel_grid import ParallelConfig, init_process_groups
@@ -294,7 +299,6 @@ def test_fp8_block_matches_one_process(dist_pool: DistPool, tp: int, sp: bool) -
 def _layer_errors() -> dict[str, str]:
     g = init_process_groups(ParallelConfig(tp=2)).tp
     bad_recipe: Any = "e4m3"
-    out: dict[str, str] = {}
     cases: dict[str, Any] = {
         "col_dims": lambda: ColumnParallelLinear(24, FFN, tp_group=g, fp8=EMULATE),
         "col_shard": lambda: ColumnParallelLinear(H, 48, tp_group=g, fp8=EMULATE),
@@ -302,13 +306,7 @@ def _layer_errors() -> dict[str, str]:
         "te": lambda: ColumnParallelLinear(H, FFN, tp_group=g, fp8=EMULATE, backend="te"),
         "not_recipe": lambda: RowParallelLinear(FFN, H, tp_group=g, fp8=bad_recipe),
     }
-    for key, build in cases.items():
-        try:
-            build()
-            out[key] = "no error raised"
-        except ValueError as exc:
-            out[key] = str(exc)
-    return out
+    return error_messages(cases)
 
 
 def test_layers_reject_bad_fp8_settings(dist_pool: DistPool) -> None:

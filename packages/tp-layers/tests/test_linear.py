@@ -10,15 +10,20 @@ differently, which this tolerance does not cover.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tp_testing import recorded_dist_calls
 from torch import Tensor, nn
 
 from mega_parallel_grid import ParallelConfig, init_process_groups
@@ -47,26 +52,9 @@ COLLECTIVES = (
 )  # fmt: skip
 
 
-@contextmanager
-def count_collectives() -> Iterator[list[tuple[str, bool]]]:
+def count_collectives() -> AbstractContextManager[list[tuple[str, bool]]]:
     """Record (name, async_op) of every torch.distributed collective issued inside."""
-    calls: list[tuple[str, bool]] = []
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append((name, bool(kwargs.get("async_op", False))))
-            return fn(*args, **kwargs)
-
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    return recorded_dist_calls(COLLECTIVES, lambda name, kw: (name, bool(kw.get("async_op"))))
 
 
 @contextmanager

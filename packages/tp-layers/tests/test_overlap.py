@@ -20,15 +20,20 @@ scales are what is tested.
 from __future__ import annotations
 
 import re
+import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tp_testing import error_messages, recorded_dist_calls
 from torch import Tensor, nn
 
 from mega_parallel_grid import ParallelConfig, init_process_groups
@@ -54,26 +59,9 @@ FP8 = (16, 2, 64, 128, 4)
 COUNTED = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "batch_isend_irecv")
 
 
-@contextmanager
-def count_calls() -> Iterator[list[str]]:
+def count_calls() -> AbstractContextManager[list[str]]:
     """Record the name of every counted torch.distributed call issued inside."""
-    calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in COUNTED}
-
-    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    return recorded_dist_calls(COUNTED, lambda name, kw: name)
 
 
 def _attention(qkv: Tensor, heads: int, head_dim: int) -> Tensor:
@@ -238,7 +226,6 @@ def test_rings_launch_each_transfer_before_the_gemm_it_hides(dist_pool: DistPool
 def _errors() -> dict[str, str]:
     g2 = init_process_groups(ParallelConfig(tp=2)).tp
     g1 = init_process_groups(ParallelConfig(tp=1)).tp
-    out: dict[str, str] = {}
     cases: dict[str, Callable[[], Any]] = {
         "no_sp": lambda: ColumnParallelLinear(8, 8, tp_group=g2, tp_comm_overlap=True),
         "tp1": lambda: RowParallelLinear(
@@ -254,13 +241,7 @@ def _errors() -> dict[str, str]:
             8, 8, tp_group=g2, sequence_parallel=True, tp_comm_overlap=True
         )(torch.ones(3, 1, 4)),
     }
-    for key, build in cases.items():
-        try:
-            build()
-            out[key] = "no error raised"
-        except ValueError as exc:
-            out[key] = str(exc)
-    return out
+    return error_messages(cases)
 
 
 def test_bad_settings_fail_in_one_sentence(dist_pool: DistPool) -> None:
