@@ -152,8 +152,8 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         (no_decay if param.dim() < 2 or name.endswith("bias") else decay).append(param)
     fused = device.type == "cuda"
     adam = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused,
+        [{"params": decay, **_group_settings(t, 0)}, {"params": no_decay, **_group_settings(t, 1)}],
+        lr=t.lr, fused=fused,
     )  # fmt: skip
     # expert weights differ over ep x etp: every rank counts its own shards once in the norm
     optimizer = DistributedOptimizer(
@@ -166,15 +166,19 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     return Built(chunks, ddp, optimizer, rng, expert_ddp)
 
 
+def _group_settings(train: TrainConfig, index: int) -> dict[str, Any]:
+    """AdamW's settings of parameter group ``index`` (0: decayed weights, 1: norms, biases)."""
+    return {"betas": (train.beta1, train.beta2), "eps": train.eps,
+            "weight_decay": train.weight_decay if index == 0 else 0.0}  # fmt: skip
+
+
 def apply_optimizer_settings(optimizer: DistributedOptimizer, train: TrainConfig) -> list[str]:
     """Set AdamW's betas, eps and weight decay from ``train`` (after a checkpoint brought its
     own); return one "name old -> new" note per setting that changed."""
     notes: list[str] = []
     groups = optimizer.optimizer.param_groups  # [decay, no decay], as built above
     for index, group in enumerate(groups):
-        wanted = {"betas": (train.beta1, train.beta2), "eps": train.eps,
-                  "weight_decay": train.weight_decay if index == 0 else 0.0}  # fmt: skip
-        for key, value in wanted.items():
+        for key, value in _group_settings(train, index).items():
             old = tuple(group[key]) if key == "betas" else group[key]
             if old != value and index == 0:
                 notes.append(f"{key} {old} -> {value}")

@@ -163,6 +163,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
         f"(tp {p.tp}, pp {p.pp}, cp {p.cp}, dp {dp}), {device.type}, {t.precision}, "
         f"{t.steps} steps of {tokens_per_step} tokens -> {run_dir}"
     )
+    _warn_if_no_evaluation(valid_set, config, dp, console)
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
     live = LiveProgress(console, t.steps, step)
 
@@ -302,6 +303,21 @@ def check_resume(saved: Any, config: TrainerConfig, step: int, consumed: int, so
             )
 
 
+def _warn_if_no_evaluation(
+    valid_set: Any, config: TrainerConfig, dp: int, console: Console
+) -> None:
+    """Say once, up front, when evaluation is on but the validation split holds fewer samples
+    than one evaluation step takes (one micro-batch per dp rank, pp of them under vpp)."""
+    t, p = config.train, config.parallel
+    need = t.micro_batch_size * dp * (p.pp if p.vpp else 1)
+    if valid_set is not None and t.eval_interval and len(valid_set) < need:
+        console.print(
+            f"[yellow]evaluation skipped: the validation split has {len(valid_set)} samples, "
+            f"fewer than the {need} one evaluation takes; raise data.valid_fraction or set "
+            "train.eval_interval 0[/yellow]"
+        )
+
+
 def _evaluate(
     runner: StepRunner, valid_set: Any, config: TrainerConfig, dp_rank: int, dp: int,
     metrics: MetricsLogger, step: int, console: Console,
@@ -310,14 +326,7 @@ def _evaluate(
     count = min(t.eval_steps, len(valid_set) // (t.micro_batch_size * dp))
     if p.vpp:  # the interleaved schedule runs a multiple of pp micro-batches
         count -= count % p.pp
-    if count == 0:
-        if not getattr(_evaluate, "warned", False):
-            _evaluate.warned = True  # type: ignore[attr-defined]
-            console.print(
-                f"[yellow]evaluation skipped: the validation split has {len(valid_set)} "
-                f"samples, fewer than one micro-batch per dp rank and pipeline stage; raise "
-                f"data.valid_fraction or set train.eval_interval 0[/yellow]"
-            )
+    if count == 0:  # said once, before the first step (_warn_if_no_evaluation)
         return
     sampler = iter(DistributedBatchSampler(len(valid_set), 0, t.micro_batch_size, dp_rank, dp))
     loss = float(runner.eval_step(_microbatches(valid_set, sampler, count)))

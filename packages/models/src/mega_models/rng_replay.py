@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -29,26 +29,22 @@ def rng_checkpoint_contexts(
         saved: dict[str, torch.Tensor] = {}
 
         @contextmanager
+        def forward() -> Iterator[None]:
+            if tracker is not None:
+                saved.update(tracker.state_dict())
+            yield
+
+        @contextmanager
         def recompute() -> Iterator[None]:
-            if tracker is None:
-                with recomputing():
-                    yield
-                return
-            after = tracker.state_dict()
-            tracker.load_state_dict(saved)
+            after = tracker.state_dict() if tracker is not None else None
+            if tracker is not None:
+                tracker.load_state_dict(saved)
             try:
                 with recomputing():
                     yield
             finally:
-                tracker.load_state_dict(after)
-
-        if tracker is None:
-            return nullcontext(), recompute()
-
-        @contextmanager
-        def forward() -> Iterator[None]:
-            saved.update(tracker.state_dict())
-            yield
+                if tracker is not None and after is not None:
+                    tracker.load_state_dict(after)
 
         return forward(), recompute()
 
