@@ -170,7 +170,7 @@ def test_default_command_runs_and_loss_falls(tmp_path: Path) -> None:
     plot = _run(["plot", str(run), "--output", str(tmp_path / "c.png")], tmp_path)
     assert plot.returncode == 0 and (tmp_path / "c.png").stat().st_size > 1000
     latest = (run / "checkpoints/latest").read_text().strip()
-    shown = _run(["inspect", str(run / "checkpoints" / latest)], tmp_path)
+    shown = _run(["inspect", str(run / "checkpoints" / latest), "--tensors"], tmp_path)
     assert shown.returncode == 0 and "layers.0.attention.qkv.weight" in shown.stdout
 
 

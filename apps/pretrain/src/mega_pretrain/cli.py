@@ -92,14 +92,22 @@ def _preprocess(argv: Sequence[str], console: Console) -> int:
 
 def _inspect(argv: Sequence[str], console: Console) -> int:
     parser = argparse.ArgumentParser(prog="mega-pretrain inspect")
-    parser.add_argument("checkpoint", help="a checkpoint folder (runs/NAME/checkpoints/step_...)")
+    parser.add_argument(
+        "checkpoint",
+        help="a checkpoint folder (runs/NAME/checkpoints/step_...), or a run or checkpoints "
+        "folder (its latest)",
+    )
+    parser.add_argument(
+        "--tensors", action="store_true", help="also the trainer state and every tensor"
+    )
     args = parser.parse_args(argv)
     from pathlib import Path
 
-    from mega_pretrain.checkpoint import describe_checkpoint
+    from mega_pretrain.checkpoint import inspect_checkpoint
 
-    console.print(describe_checkpoint(Path(args.checkpoint)), markup=False)
-    return 0
+    report = inspect_checkpoint(Path(args.checkpoint), tensors=args.tensors)
+    console.print(report.text, markup=False, highlight=False)
+    return 1 if report.damage else 0  # damaged files: the summary says which
 
 
 def _plot(argv: Sequence[str], console: Console) -> int:

@@ -22,28 +22,29 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from mega_parallel_grid import ProcessGroups
 from mega_pretrain.build import Built
 from mega_pretrain.ckpt.buffers import saved_buffers
+from mega_pretrain.ckpt.integrity import verify_files
 from mega_pretrain.ckpt.meta import (
     CheckpointError,
     LocalParam,
     cover_range,
+    dcp_cause,
     dcp_failure,
     gather_objects,
     layout_of,
     local_params,
     model_key,
     one_line,
-    read_dcp_metadata,
     read_meta,
     row_overlaps,
     shard_label,
 )
+from mega_pretrain.ckpt.reader import SafeReader, read_dcp_metadata
 from mega_zero_optim import owned_pieces
 from mega_zero_optim.state import FORMAT as OPTIMIZER_FORMAT
 
@@ -221,8 +222,11 @@ def _read(path: Path, keys: list[str], index: dict[str, Any]) -> dict[str, Tenso
     try:
         with warnings.catch_warnings():  # no_dist is meant: every rank reads its own keys
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(out, storage_reader=FileSystemReader(path), no_dist=True)
+            dcp_load(out, storage_reader=SafeReader(path), no_dist=True)
     except (CheckpointException, Exception) as exc:
+        cause = dcp_cause(exc)
+        if isinstance(cause, CheckpointError):  # the reader's own sentence
+            raise CheckpointError(str(cause)) from None
         raise CheckpointError(
             f"cannot read the tensors of checkpoint {path} ({dcp_failure(exc)}); the files "
             "are truncated or missing, load an earlier checkpoint"
@@ -377,7 +381,9 @@ def load_checkpoint(path: Path, built: Built, groups: ProcessGroups) -> dict[str
     pp, vpp, dp and cp; RNG states are restored only when the layout and world size are the
     saved ones (else the current ones stay). Returns the saved trainer state plus
     ``rng_restored`` (bool). Raises CheckpointError, on every rank, when the checkpoint is
-    missing, damaged or of another model (the weights may then be partly overwritten).
+    missing, damaged or of another model (the weights may then be partly overwritten). Every
+    file is checked against its saved CRC-32 first (the ranks share the files), or for
+    checkpoints saved without checksums against the sizes the DCP index gives.
     """
     path = Path(path)
     world = groups.world
@@ -387,6 +393,7 @@ def load_checkpoint(path: Path, built: Built, groups: ProcessGroups) -> dict[str
     try:
         meta = read_meta(path)
         _check(path, meta, params, built)
+        error = verify_files(path, meta, (dist.get_rank(world), dist.get_world_size(world)))
     except CheckpointError as exc:
         error = str(exc)
     found = gather_objects((error, sorted({lp.path for lp in params})), world)

@@ -1,4 +1,4 @@
-"""What a checkpoint holds: tensor keys, the parameters of this rank, meta.json, describing.
+"""What a checkpoint holds: tensor keys, the parameters of this rank, meta.json, latest.
 
 A checkpoint is a folder ``<run_dir>/checkpoints/step_<step:08d>`` with
 
@@ -27,8 +27,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from mega_parallel_grid import ProcessGroups
 from mega_pretrain.build import Built
@@ -43,18 +41,20 @@ __all__ = [
     "LocalParam",
     "barrier",
     "cover_range",
+    "dcp_cause",
     "dcp_failure",
-    "describe_checkpoint",
+    "earlier_checkpoint",
     "gather_objects",
     "latest_checkpoint",
+    "latest_in",
     "layout_of",
     "local_params",
     "model_key",
     "natural_key",
+    "newest_checkpoint",
     "one_line",
     "optim_prefix",
     "optimizer_names",
-    "read_dcp_metadata",
     "read_meta",
     "row_overlaps",
     "shard_label",
@@ -78,15 +78,32 @@ def one_line(text: str, limit: int = 300) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def dcp_failure(exc: BaseException) -> str:
-    """A one-line summary of what torch.distributed.checkpoint raised."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(exc, CheckpointException) and isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = getattr(first, "exception", first)
-        exc = inner if isinstance(inner, BaseException) else exc
-    lines = str(exc).strip().splitlines()
-    return one_line(f"{type(exc).__name__}: {lines[0] if lines else ''}")
+def dcp_cause(exc: BaseException) -> BaseException:
+    """The exception behind what torch.distributed.checkpoint raised.
+
+    ``CheckpointException.failures`` maps each failed rank to ``(exception, traceback)``;
+    the first rank's exception is the cause (unwrapped again if it is itself one).
+    """
+    for _ in range(4):
+        failures = getattr(exc, "failures", None)
+        if not isinstance(exc, CheckpointException) or not isinstance(failures, dict):
+            break
+        if not failures:
+            break
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) and first else first
+        inner = getattr(inner, "exception", inner)
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    return exc
+
+
+def dcp_failure(exc: BaseException, limit: int = 300) -> str:
+    """A one-line summary of what torch.distributed.checkpoint raised: its cause, named."""
+    cause = dcp_cause(exc)
+    text = " ".join(str(cause).split())
+    return one_line(f"{type(cause).__name__}: {text}", limit)
 
 
 def natural_key(name: str) -> tuple[int, list[tuple[int, str]]]:
@@ -317,20 +334,30 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def read_dcp_metadata(path: Path) -> Metadata:
-    """The torch.distributed.checkpoint metadata of ``path`` (reads no tensor)."""
-    try:
-        return FileSystemReader(path).read_metadata()
-    except (CheckpointException, Exception) as exc:
-        raise CheckpointError(
-            f"cannot read the tensor index of checkpoint {path} ({dcp_failure(exc)}); the "
-            "files are truncated or missing, load an earlier checkpoint"
-        ) from None
+def newest_checkpoint(root: Path, below: int | None = None) -> Path | None:
+    """The newest complete (meta.json written) checkpoint in ``root`` before step ``below``."""
+    best: tuple[int, Path] | None = None
+    for p in root.iterdir() if root.is_dir() else ():
+        m = STEP_DIR.match(p.name)
+        if m is None or not (p / META_FILE).is_file():
+            continue
+        step = int(m.group(1))
+        if (below is None or step < below) and (best is None or step > best[0]):
+            best = (step, p)
+    return best[1] if best else None
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The folder ``<run_dir>/checkpoints/latest`` names, or None when there is no such file."""
-    root = Path(run_dir) / "checkpoints"
+def earlier_checkpoint(path: Path) -> Path | None:
+    """The newest complete checkpoint beside ``path`` that is older than it (None: none)."""
+    path = Path(path)
+    m = STEP_DIR.match(path.name)
+    if m is None:  # a copy under another name: any checkpoint beside it
+        return newest_checkpoint(path.parent)
+    return newest_checkpoint(path.parent, below=int(m.group(1)))
+
+
+def latest_in(root: Path) -> Path | None:
+    """The folder ``<root>/latest`` names, or None when there is no such file."""
     file = root / LATEST_FILE
     if not file.is_file():
         return None
@@ -340,48 +367,23 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             f"{file} names {name!r}, not a checkpoint folder step_NNNNNNNN; delete the file "
             "or write the name of a checkpoint folder into it"
         )
-    return root / name
+    path = root / name
+    if not path.is_dir():
+        earlier = newest_checkpoint(root)
+        out = (
+            f"the newest complete checkpoint is {earlier}: resume from it with "
+            f"--checkpoint.load {earlier}"
+            if earlier is not None
+            else "no complete checkpoint is left: start fresh with --checkpoint.load none"
+        )
+        raise CheckpointError(f"{file} names {name}, which no longer exists; {out}")
+    return path
 
 
-def _flatten(prefix: str, value: Any, out: list[str]) -> None:
-    if isinstance(value, dict) and value:
-        for k, v in value.items():
-            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
-    else:
-        out.append(f"  {prefix} = {json.dumps(value)}")
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The folder ``<run_dir>/checkpoints/latest`` names, or None when there is no such file.
 
-
-def describe_checkpoint(path: Path) -> str:
-    """The step, layout, trainer state (config) and every tensor's key and shape, as text.
-
-    Reads meta.json and the DCP index only; no tensor is loaded.
+    Raises CheckpointError, naming the newest complete checkpoint left, when that folder
+    is gone.
     """
-    path = Path(path)
-    meta = read_meta(path)
-    index = read_dcp_metadata(path)
-    layout = " ".join(f"{k}={v}" for k, v in meta["layout"].items())
-    opt = meta["optimizer"]
-    lines = [
-        f"checkpoint {path}",
-        f"step: {meta['step']}",
-        f"layout: {layout}",
-        f"optimizer: {opt.get('type')}, {opt.get('num_steps')} steps, "
-        f"{len(opt.get('param_groups', []))} param groups",
-        "trainer state:",
-    ]
-    _flatten("", meta["trainer_state"], lines)
-    lines.append(f"parameters ({len(meta['params'])}):")
-    for name, p in meta["params"].items():
-        split = "replicated" if p["dim"] is None else f"dim {p['dim']} in {p['num_shards']}"
-        pieces = sum(len(v) for v in p["optim"].values())
-        lines.append(f"  {name} {list(p['shape'])} {p['dtype']} ({split}, {pieces} optim pieces)")
-    items = index.state_dict_metadata
-    lines.append(f"tensors ({len(items)}):")
-    for key in sorted(items, key=natural_key):
-        item = items[key]
-        if isinstance(item, TensorStorageMetadata):
-            dtype = str(item.properties.dtype).removeprefix("torch.")
-            lines.append(f"  {key} {list(item.size)} {dtype}")
-        else:
-            lines.append(f"  {key} (bytes)")
-    return "\n".join(lines)
+    return latest_in(Path(run_dir) / "checkpoints")

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from mega_parallel_grid import ProcessGroups
 from mega_pretrain.build import Built
 from mega_pretrain.ckpt.buffers import saved_buffers
+from mega_pretrain.ckpt.integrity import all_files, hash_files, rank_files, write_failure
 from mega_pretrain.ckpt.meta import (
     FORMAT,
     LATEST_FILE,
@@ -32,7 +33,6 @@ from mega_pretrain.ckpt.meta import (
     CheckpointError,
     LocalParam,
     barrier,
-    dcp_failure,
     gather_objects,
     layout_of,
     local_params,
@@ -171,6 +171,12 @@ def _rng_state(built: Built) -> dict[str, Any]:
     return state
 
 
+def _raise_first(errors: list[str | None]) -> None:
+    for error in errors:
+        if error is not None:
+            raise CheckpointError(error)
+
+
 def _write_synced(file: Path, text: str) -> None:
     with open(file, "w") as f:
         f.write(text)
@@ -223,6 +229,9 @@ def save_checkpoint(
     Collective over all ranks. Each rank writes its own tensors (DCP deduplicates items
     several ranks hold, e.g. weights replicated over dp); rank 0 writes meta.json, then
     commits the folder, rewrites ``latest`` and keeps the newest ``keep_last`` checkpoints.
+    Each rank hashes the files it wrote (CRC-32) and rank 0 records them in meta.json. A
+    failed write (a full disk named as such) raises CheckpointError on every rank and
+    leaves ``latest`` and the checkpoint it names as they were.
     ``trainer_state`` (config, consumed samples...) must be JSON-serialisable. Returns the
     checkpoint folder.
     """
@@ -253,13 +262,31 @@ def save_checkpoint(
     canonical = _canonical(indices)
     tensors = _tensors(params, opt_state, (index["pp"], index["tp"]), canonical)
     tensors.update(saved_buffers(built))  # e.g. MoE expert biases: the same on every rank
+    rank_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     try:
         dcp_save(tensors, storage_writer=FileSystemWriter(tmp), process_group=world)
     except CheckpointException as exc:
-        raise CheckpointError(f"writing checkpoint {tmp} failed ({dcp_failure(exc)})") from None
-    torch.save(_rng_state(built), tmp / "rng" / f"rank{rank}.pt")
+        raise write_failure(tmp, exc, rank_bytes) from None
+    error: str | None = None
+    digests: dict[str, dict[str, Any]] = {}
+    try:  # a failure here is said on every rank, not left to hang the commit's barrier
+        torch.save(_rng_state(built), tmp / "rng" / f"rank{rank}.pt")
+        digests = hash_files(tmp, rank_files(tmp, rank))
+    except (OSError, RuntimeError) as exc:
+        error = str(write_failure(tmp, exc, rank_bytes))
+    found = gather_objects((error, digests), world)
+    _raise_first([e for e, _ in found])
     if rank == 0:
+        files: dict[str, dict[str, Any]] = {}
+        for _, d in found:
+            files.update(d)
+        files.update(hash_files(tmp, set(all_files(tmp)) - set(files)))  # any file left over
         meta = _meta(step, trainer_state, layout_of(built, groups), indices, canonical, opt_state)
-        _write_synced(tmp / META_FILE, json.dumps(meta, indent=1))
+        meta["files"] = {name: files[name] for name in sorted(files)}
+        try:
+            _write_synced(tmp / META_FILE, json.dumps(meta, indent=1))
+        except OSError as exc:
+            error = str(write_failure(tmp, exc, len(json.dumps(meta))))
+    _raise_first(gather_objects(error, world))
     _commit(root, tmp, final, keep_last, world)
     return final
