@@ -102,6 +102,19 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
             ],
             "parallel.overlap_param_gather with model.tie_embeddings at pp > 1 is not supported",
         ),
+        (
+            ["--train.warmup_steps", "500", "--train.steps", "30"],
+            "train.warmup_steps (500) exceeds train.steps (30)",
+        ),
+        (["--run.timeout_minutes", "0"], "run.timeout_minutes (0.0) must be positive"),
+        (
+            ["--model.size", "1b", "--model.pattern", "M*M-"],
+            "model.pattern 'M*M-' has 4 layers but model.size 1b has 22; give a pattern of 22",
+        ),
+        (
+            ["--model.pattern", "M*M-", "--model.num_layers", "6"],
+            "model.pattern 'M*M-' has 4 layers but model.num_layers has 6",
+        ),
         (["--config", "missing.toml"], "config file 'missing.toml' does not exist"),
         (["--train.lr"], "setting --train.lr has no value"),
     ],
@@ -139,6 +152,10 @@ def test_preprocess_then_train_on_it(tmp_path: Path) -> None:
     )
     done = _run(["preprocess", str(corpus), "--output", str(tmp_path / "data/docs")], tmp_path)
     assert done.returncode == 0, done.stderr
+    summary = done.stdout.strip()  # one line, however long the path (stdout is a pipe)
+    assert "PreprocessStats(" not in summary and "\n" not in summary
+    assert summary.startswith("wrote 30 documents, ") and " tokens from 1 file (" in summary
+    assert summary.endswith(f"; train on it with --data.paths {tmp_path / 'data/docs'}")
     done = _run(["--train.steps", "3", "--train.log_interval", "1", "--data.paths", str(tmp_path / "data/docs"),
                  "--run.name", "custom", "--run.tensorboard", "false"], tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -211,3 +228,68 @@ def test_too_small_validation_split_is_one_sentence(tmp_path: Path) -> None:
     assert "(data.valid_fraction 0.05) holds" in done.stderr
     assert "raise data.valid_fraction, or set it to 0" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_size_with_a_pattern_builds_that_sizes_hybrid() -> None:
+    """`--model.size 1b --model.pattern ...` keeps 1b's dimensions (not hybrid-tiny's)."""
+    from mega_models import HybridConfig
+    from mega_pretrain.build import gpt_config
+    from mega_pretrain.config import load_config
+
+    pattern = "M*M-" * 5 + "M*"  # 22 letters: 1b's layer count
+    model = gpt_config(load_config(None, [("model.size", "1b"), ("model.pattern", pattern)]))
+    assert isinstance(model, HybridConfig) and model.pattern == pattern
+    assert (model.hidden_size, model.num_attention_heads, model.num_layers) == (2048, 16, 22)
+    assert (model.vocab_size, model.ffn_hidden_size, model.kv_heads) == (32000, 5632, 4)
+    assert model.mamba_head_dim == 64  # hybrid-1b's Mamba settings: the same width
+    short = gpt_config(load_config(None, [("model.size", "1b"), ("model.pattern", "M*M-"),
+                                          ("model.num_layers", "4")]))  # fmt: skip
+    assert (short.hidden_size, short.num_layers) == (2048, 4)
+    tiny = gpt_config(load_config(None, [("model.pattern", "M*M-M*M-")]))
+    assert (tiny.hidden_size, tiny.num_layers) == (64, 8)
+
+
+def test_dry_run_states_precision_and_timeout_in_unwrapped_lines(tmp_path: Path) -> None:
+    """Off a terminal (stdout piped) a long line stays one line, not wrapped at 80 columns."""
+    done = _run(["--dry-run", "--run.timeout_minutes", "3", "--run.device", "cpu"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    model = next(line for line in lines if line.startswith("model: tiny "))
+    assert len(model) > 200 and model.rstrip().endswith(")")  # the whole GPTConfig repr
+    assert "precision: fp32 (train.precision auto on cpu)" in lines
+    assert "collective timeout: 3 min (run.timeout_minutes)" in lines
+
+
+def _token_file(prefix: Path, vocab: int, ids: list[int], header_vocab: int | None = None) -> None:
+    from mega_pretrain.data import IndexedTokenWriter
+
+    with IndexedTokenWriter(prefix, vocab_size=vocab) as writer:
+        writer.add_document(ids)
+    if header_vocab is not None:  # a header that understates the ids (another tool's file)
+        idx = prefix.with_name(prefix.name + ".idx")
+        raw = bytearray(idx.read_bytes())
+        raw[16:24] = header_vocab.to_bytes(8, "little")
+        idx.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("header_vocab", "message"),
+    [
+        (None, "was written for a vocabulary of 1000 tokens but the model has vocab_size 257; "
+               "set --model.vocab_size to at least 1000"),
+        (200, "holds token id 900, outside the model's vocab_size 257 (ids 0..256); "
+              "set --model.vocab_size to at least 901"),
+    ],
+    ids=["header", "sampled-ids"],
+)  # fmt: skip
+def test_out_of_vocabulary_data_is_one_sentence_at_config_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], header_vocab: int | None, message: str
+) -> None:
+    prefix = tmp_path / "wide"
+    _token_file(prefix, 1000, [5, 7, 900, 3] * 50, header_vocab)
+    assert main(["--dry-run", "--data.paths", str(prefix)]) == 2
+    err = capsys.readouterr().err
+    assert f"the token file {prefix}.bin " in err and message in err
+    assert "Traceback" not in err and err.count("\n") == 1
+    fits = ["--dry-run", "--data.paths", str(prefix), "--model.vocab_size", "1024"]
+    assert main(fits) == 0

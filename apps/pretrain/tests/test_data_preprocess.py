@@ -122,7 +122,7 @@ def _inputs(tmp_path: Path, name: str, content: bytes) -> Path:
             "data.jsonl",
             b'{"text": "a"}\n{"text": "b"}\n{"body": "c", "id": 3}\n',
             r"line 3 of .*data\.jsonl has no field 'text'; its fields are 'body', 'id'; "
-            r"set jsonl_key to the field that holds the text$",
+            r"name the field that holds the text with --jsonl-key \(jsonl_key= in Python\)$",
         ),
         (
             "data.jsonl",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
 
 from mega_parallel_grid.testing import DistPool
 from mega_pretrain.config import load_config
@@ -29,11 +32,21 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
-def _train(out_dir: str, name: str, extra: list[tuple[str, str]]) -> list[float]:
+def _train(
+    out_dir: str, name: str, extra: list[tuple[str, str]], console: Console | None = None
+) -> list[float]:
     os.environ["MEGA_PRETRAIN_CACHE"] = str(Path(out_dir) / "cache")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the pool's ranks share the machine's cores
     config = load_config(None, [*COMMON, ("run.out_dir", out_dir), ("run.name", name), *extra])
-    summary = train(config)
+    summary = train(config, console=console)
     return summary.losses
+
+
+def _printed(out_dir: str, name: str, extra: list[tuple[str, str]]) -> str:
+    """What a run prints (rank 0), as a piped log would hold it."""
+    buffer = io.StringIO()
+    _train(out_dir, name, extra, Console(file=buffer, soft_wrap=True))
+    return buffer.getvalue()
 
 
 @pytest.mark.parametrize(
@@ -186,3 +199,69 @@ def test_a_skipped_step_still_counts_for_exit_and_save(dist_pool: DistPool, tmp_
     assert (last, stopped_by) == (2, "exit_interval")
     assert logged == [1]  # the skipped step logs no loss
     assert (tmp_path / "skip" / "checkpoints" / "step_00000002").is_dir()
+
+
+def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.rglob("*")}
+
+
+def _run_twice(out_dir: str) -> tuple[str, dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+    extra = [("train.steps", "2"), ("train.eval_interval", "0"), ("run.tensorboard", "true")]
+    _train(out_dir, "done", extra)
+    before = _snapshot(Path(out_dir) / "done")
+    again = _printed(out_dir, "done", extra)
+    return again, before, _snapshot(Path(out_dir) / "done")
+
+
+def test_a_finished_run_is_left_alone(dist_pool: DistPool, tmp_path: Path) -> None:
+    """Running a complete run again says so and touches nothing: no checkpoint rewrite, no
+    second TensorBoard event file, no metrics line."""
+    printed, before, after = dist_pool.run(_run_twice, 1, args=(str(tmp_path),))[0]
+    assert printed.strip() == (
+        "run `done` is already complete at step 2; raise `--train.steps` to continue"
+    )
+    assert after == before
+    assert any("tfevents" in name for name in before)
+
+
+def _resume_longer(out_dir: str) -> str:
+    _train(out_dir, "longer", [("train.exit_interval", "3"), ("train.eval_interval", "0")])
+    return _printed(out_dir, "longer", [("train.steps", "12"), ("train.eval_interval", "0")])
+
+
+def test_a_resume_that_changes_the_steps_says_so(dist_pool: DistPool, tmp_path: Path) -> None:
+    printed = dist_pool.run(_resume_longer, 1, args=(str(tmp_path),))[0]
+    assert (
+        "train.steps changed on resume: 10 -> 12; the cosine learning-rate schedule now "
+        "runs over 12 steps" in printed
+    )
+    start = next(line for line in printed.splitlines() if line.startswith("mega-pretrain tiny"))
+    assert ", cpu, fp32, 1 thread (OMP_NUM_THREADS), 12 steps of 256 tokens -> " in start
+
+
+def _non_finite_from_the_cli(out_dir: str) -> tuple[int, str]:
+    """The command line with step 1's gradient non-finite (nan_policy stop, the default)."""
+    from mega_pretrain.cli import main
+    from mega_pretrain.step import StepRunner
+
+    original = StepRunner.train_step
+
+    def broken(self: StepRunner, batches: Any, lr: float) -> Any:
+        raise FloatingPointError("step 1: the gradient of 'w' holds nan or inf (injected)")
+
+    StepRunner.train_step = broken  # type: ignore[method-assign]
+    err = io.StringIO()
+    try:
+        os.environ["MEGA_PRETRAIN_CACHE"] = str(Path(out_dir) / "cache")
+        args = [f"--{k}={v}" for k, v in COMMON] + [f"--run.out_dir={out_dir}", "--run.name=nan"]
+        with contextlib.redirect_stderr(err):
+            code = main(args)
+    finally:
+        StepRunner.train_step = original  # type: ignore[method-assign]
+    return code, err.getvalue()
+
+
+def test_a_training_stop_is_one_sentence_with_status_1(dist_pool: DistPool, tmp_path: Path) -> None:
+    code, err = dist_pool.run(_non_finite_from_the_cli, 1, args=(str(tmp_path),))[0]
+    assert code == 1
+    assert err == "error: step 1: the gradient of 'w' holds nan or inf (injected)\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from mega_models import (
 from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 from mega_pretrain.config import TrainConfig, TrainerConfig
+from mega_pretrain.runtime import resolve_precision
 from mega_tp_layers import Fp8Recipe, RNGStatesTracker, tp_rng_tracker
 from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, DynamicLossScaler
 
@@ -69,13 +71,42 @@ def parallel_config(config: TrainerConfig) -> ParallelConfig:
 
 
 def gpt_config(config: TrainerConfig) -> GPTConfig:
-    """The registered size with the config's overrides applied (a HybridConfig for hybrid sizes
-    or when ``model.pattern`` is given)."""
-    size, overrides = config.model.size, config.model.overrides
-    if size in HYBRID_SIZES or "pattern" in overrides:
-        base = hybrid_config(size) if size in HYBRID_SIZES else hybrid_config("hybrid-tiny")
+    """The registered size with the config's overrides applied.
+
+    A hybrid size gives a HybridConfig (its pattern may be overridden; the layer count follows
+    the pattern). A GPT size with ``model.pattern`` gives the hybrid of *that size's*
+    dimensions (vocabulary, hidden, heads, FFN, sequence length, layer count, ...), its Mamba
+    settings those of the registered hybrid of the same hidden size (else HybridConfig's
+    defaults), any of them overridable. The pattern must have one letter per layer of the
+    size (or of ``model.num_layers`` when given); otherwise it is refused in one sentence,
+    never shrunk to another size's dimensions.
+    """
+    size, overrides = config.model.size, dict(config.model.overrides)
+    if size in HYBRID_SIZES:
+        return hybrid_config(size).replace(**overrides)
+    base = model_config(size)
+    if "pattern" not in overrides:
         return base.replace(**overrides)
-    return model_config(size).replace(**overrides)
+    pattern = overrides["pattern"]
+    layers = overrides.get("num_layers", base.num_layers)
+    if isinstance(pattern, str) and len(pattern) != layers:
+        where = "model.num_layers" if "num_layers" in overrides else f"model.size {size}"
+        raise ValueError(
+            f"model.pattern {pattern!r} has {len(pattern)} layers but {where} has {layers}; "
+            f"give a pattern of {layers} letters, set --model.num_layers {len(pattern)}, or "
+            f"choose a hybrid size ({', '.join(HYBRID_SIZES)})"
+        )
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    mamba = next((h for h in HYBRID_SIZES.values() if h.hidden_size == base.hidden_size), None)
+    if mamba is not None:
+        fields.update({k: getattr(mamba, k) for k in _MAMBA_FIELDS})
+    fields.update(overrides)
+    return HybridConfig(**fields)
+
+
+#: HybridConfig's Mamba-2 settings, taken from a registered hybrid of the same width.
+_MAMBA_FIELDS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_expand",
+                 "mamba_conv_width", "mamba_chunk_size")  # fmt: skip
 
 
 def flops_per_token(model: GPTConfig, seq_len: int) -> float:
@@ -85,8 +116,9 @@ def flops_per_token(model: GPTConfig, seq_len: int) -> float:
     return model_flops_per_token(model, seq_len)
 
 
-def param_dtype(config: TrainerConfig) -> torch.dtype:
-    return _DTYPES[config.train.precision]
+def param_dtype(config: TrainerConfig, device: torch.device | None = None) -> torch.dtype:
+    """The parameters' dtype on ``device`` (``auto`` precision resolved for it)."""
+    return _DTYPES[resolve_precision(config.train.precision, device.type if device else None)]
 
 
 def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) -> Built:
@@ -97,7 +129,7 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     rng = tp_rng_tracker(t.seed, groups.tp, device)
     kwargs: dict[str, Any] = {
         "sequence_parallel": p.sequence_parallel, "recompute": t.recompute, "seed": t.seed,
-        "rng": rng, "device": device, "dtype": param_dtype(config),
+        "rng": rng, "device": device, "dtype": param_dtype(config, device),
     }  # fmt: skip
     chunks: list[ModelChunk] = []
     for index in range(vpp or 1):

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
+from mega_pretrain.errors import TrainingError
+
 __all__ = ["main"]
 
 _COMMANDS = ("train", "preprocess", "inspect", "plot", "convert")
@@ -86,7 +88,7 @@ def _preprocess(argv: Sequence[str], console: Console) -> int:
         args.inputs, args.output, args.tokenizer, jsonl_key=args.jsonl_key,
         append_eod=not args.no_eod, progress=console.is_terminal,
     )  # fmt: skip
-    console.print(stats)
+    console.print(str(stats), markup=False, highlight=False)
     return 0
 
 
@@ -145,7 +147,7 @@ def _convert(argv: Sequence[str], console: Console) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mega-pretrain`` command; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    console = Console()
+    console = Console(soft_wrap=True)  # one line per event, also in piped and Slurm logs
     command = "train"
     if args and args[0] in _COMMANDS:
         command = args.pop(0)
@@ -156,5 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ImportError) as exc:  # user errors: one sentence
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:  # a run that cannot go on (non-finite loss): one sentence
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130

@@ -83,8 +83,9 @@ class TrainConfig:
     """Peak learning rate."""
     min_lr: float = 3e-4
     """Learning rate at the end of decay."""
-    warmup_steps: int = 20
-    """Linear warm-up steps."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps (at most ``steps``); unset: 20, or a tenth of ``steps`` when that
+    is fewer (see ``warmup``)."""
     decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     """Shape of the decay after warm-up (wsd: constant, then linear decay at the end)."""
     wsd_decay_fraction: float = 0.2
@@ -101,8 +102,12 @@ class TrainConfig:
     """Global gradient-norm clip (0 disables)."""
     seed: int = 1234
     """Seed of initialisation, data order and dropout."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Parameter/compute dtype; bf16/fp16 keep fp32 master weights."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Parameter/compute dtype; bf16/fp16 keep fp32 master weights. ``auto``: bf16 on a GPU
+    that supports it, fp32 on CPU (the start-up line and ``--dry-run`` say which)."""
+    tf32: bool = True
+    """On a GPU, let fp32 matmuls and convolutions use TF32 tensor cores (about 10-bit
+    mantissa products, fp32 sums); false keeps full fp32 products."""
     fp8: bool = False
     """Run the transformer layers' linear GEMMs in FP8 (needs bf16; GPT models only)."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -120,6 +125,11 @@ class TrainConfig:
     """Save and exit once the step is a multiple of this (time-sliced cluster jobs); 0: never."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/inf loss or gradient: stop with the step number, or skip the step."""
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up steps the schedule runs: ``warmup_steps``, or its default for ``steps``."""
+        return min(20, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
 
 
 @dataclass(frozen=True)
@@ -164,6 +174,9 @@ class RunConfig:
     """Where to train."""
     memory_gib: float | None = None
     """Memory per device for ``train.micro_batch_size = 0`` (auto); default: the GPU's."""
+    timeout_minutes: float = 10.0
+    """Timeout of every process group and collective: a rank waiting longer than this for a
+    peer (a dead or hung rank) fails with an error instead of hanging."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from mega_pretrain.auto_batch import resolve_micro_batch
 from mega_pretrain.build import gpt_config
 from mega_pretrain.config import TrainerConfig, config_to_dict
 from mega_pretrain.estimate import estimate
+from mega_pretrain.runtime import precision_phrase, with_precision
 from mega_pretrain.validate import check_config
 
 __all__ = ["dry_run"]
@@ -22,7 +23,11 @@ def _gib(n: float) -> str:
 def dry_run(config: TrainerConfig, world_size: int) -> str:
     """Everything a user checks before launching, computed without any process or tensor."""
     model = gpt_config(config)
-    memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    cuda = torch.cuda.is_available() and config.run.device != "cpu"
+    asked = config.train.precision
+    config = with_precision(config, "cuda" if cuda else "cpu")
+    how = f" (train.precision auto on {'cuda' if cuda else 'cpu'})" if asked == "auto" else ""
+    memory = torch.cuda.get_device_properties(0).total_memory if cuda else None
     config, auto_line = resolve_micro_batch(config, model, world_size, memory)
     layout = check_config(config, model, world_size)
     est = estimate(config, model, layout.dp)
@@ -31,6 +36,8 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
         "resolved config:",
         json.dumps(config_to_dict(config), indent=2),
         f"model: {config.model.size} {model}",
+        f"precision: {precision_phrase(config, 'cuda' if cuda else 'cpu')}{how}",
+        f"collective timeout: {config.run.timeout_minutes:g} min (run.timeout_minutes)",
         f"world size {world_size}: tp {layout.config.tp}, pp {layout.config.pp}, cp {layout.config.cp}, "
         f"dp {layout.dp}, ep {layout.config.ep}, vpp {layout.config.vpp}",
         f"parameters: {est.total_params / 1e6:,.1f} M total, ~{est.params_per_rank / 1e6:,.1f} M per rank",

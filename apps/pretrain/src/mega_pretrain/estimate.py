@@ -13,6 +13,7 @@ from mega_models import (
     model_flops_per_token,
 )
 from mega_pretrain.config import TrainerConfig
+from mega_pretrain.runtime import resolve_precision
 
 __all__ = ["Estimate", "estimate"]
 
@@ -94,10 +95,11 @@ def estimate(config: TrainerConfig, model: GPTConfig, dp: int) -> Estimate:
     etp = p.etp if p.etp is not None else p.tp
     expert_rank = int(experts / p.pp / (p.ep * etp))
     per_rank = dense_rank + expert_rank
-    width = _BYTES[t.precision]
+    precision = resolve_precision(t.precision)
+    width = _BYTES[precision]
     weights = per_rank * width
     grads = per_rank * 4
-    master = 0 if t.precision == "fp32" else 4
+    master = 0 if precision == "fp32" else 4
     # dense state is sharded over dp x cp; expert state over the expert-data-parallel ranks
     shards = dp * p.cp if p.distributed_optimizer else 1
     expert_shards = max(1, dp * p.cp * p.tp // (p.ep * etp)) if p.distributed_optimizer else 1
@@ -109,7 +111,7 @@ def estimate(config: TrainerConfig, model: GPTConfig, dp: int) -> Estimate:
         layer_act = 34 * s * b * h / p.tp
     else:
         layer_act = s * b * h * (10 + 24 / p.tp)
-    act_scale = (width / 2) if t.precision != "fp32" else 2.0
+    act_scale = (width / 2) if precision != "fp32" else 2.0
     in_flight = p.pp if p.pp > 1 else 1
     activations = int(layer_act * act_scale * layers_per_stage * in_flight)
     logits = int(s * b * model.vocab_size / p.tp * 4 * 2)  # fp32 logits and their gradient

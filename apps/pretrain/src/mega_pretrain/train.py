@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,13 @@ from mega_pretrain.build import (
     parallel_config,
     param_dtype,
 )
-from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mega_pretrain.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from mega_pretrain.ckpt.meta import read_meta
 from mega_pretrain.config import TrainerConfig, config_to_dict
 from mega_pretrain.data import (
     BlendedDataset,
@@ -33,23 +39,30 @@ from mega_pretrain.data import (
     DistributedBatchSampler,
     GPTDataset,
     IndexedTokenDataset,
+    check_vocab,
     ensure_default_dataset,
     split_train_valid,
 )
+from mega_pretrain.errors import TrainingError
 from mega_pretrain.metrics import MetricsLogger, peak_tflops
 from mega_pretrain.moe_logging import moe_log_values
 from mega_pretrain.progress import LiveProgress
-from mega_pretrain.runtime import pick_device, start_distributed, world_size_from_env
+from mega_pretrain.runtime import (
+    collective_timeout,
+    configure_tf32,
+    pick_device,
+    precision_phrase,
+    set_intra_op_threads,
+    start_distributed,
+    with_precision,
+    world_size_from_env,
+)
 from mega_pretrain.schedule import lr_at
 from mega_pretrain.signals import StopRequest
 from mega_pretrain.step import Microbatch, StepRunner
 from mega_pretrain.validate import check_config
 
 __all__ = ["RunSummary", "TrainingError", "train"]
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss or gradient under nan_policy='stop')."""
 
 
 @dataclass
@@ -71,12 +84,8 @@ def _datasets(config: TrainerConfig, model: GPTConfig, samples: int) -> tuple[An
     weights = list(d.weights) or [1.0] * len(prefixes)
     trains, valids = [], []
     for prefix in prefixes:
+        check_vocab(prefix, model.vocab_size)  # data.paths were checked before; the default not
         indexed = IndexedTokenDataset(prefix)
-        if indexed.vocab_size > model.vocab_size:
-            raise ValueError(
-                f"the data at {prefix} uses a vocabulary of {indexed.vocab_size} tokens but the "
-                f"model has vocab_size {model.vocab_size}; set --model.vocab_size {indexed.vocab_size}"
-            )
         train_docs, valid_docs = split_train_valid(indexed, d.valid_fraction, t.seed)
         if len(valid_docs) and valid_docs.num_tokens < t.seq_len + 1:
             raise DataError(
@@ -112,20 +121,33 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     model = gpt_config(config)
     world = world_size_from_env()
     device = pick_device(config.run.device)
+    config = with_precision(config, device.type)  # `auto` made concrete for this device
     memory = (
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     )
     config, auto_line = resolve_micro_batch(config, model, world, memory)
     check_config(config, model, world)  # before any process group exists
-    start_distributed(device, timedelta(minutes=10))
-    groups = init_process_groups(parallel_config(config), timeout=timedelta(minutes=10))
+    timeout = collective_timeout(config.run.timeout_minutes)
+    start_distributed(device, timeout)
+    groups = init_process_groups(parallel_config(config), timeout=timeout)
+    configure_tf32(device, config.train.tf32)
+    threads = set_intra_op_threads()
     rank0 = dist.get_rank() == 0
-    if console is None or not rank0:  # output goes to rank 0 only
-        console = Console(quiet=not rank0)
-    if auto_line is not None:
-        console.print(auto_line)
+    if console is None or not rank0:  # output goes to rank 0 only; one line per event
+        console = Console(quiet=not rank0, soft_wrap=True)
     t, p = config.train, config.parallel
     run_dir = Path(config.run.out_dir) / config.run.name
+    source = _resume_source(config, run_dir)
+    done = _completed_step(config, source)  # before anything in the run folder is touched
+    if done is not None:
+        console.print(
+            f"run `{config.run.name}` is already complete at step {done}; raise "
+            "`--train.steps` to continue",
+            markup=False,
+        )
+        return RunSummary(run_dir, done, done, [], 0.0, None, source)
+    if auto_line is not None:
+        console.print(auto_line)
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2))
@@ -140,13 +162,15 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
         sequence_parallel=p.sequence_parallel,
     )  # fmt: skip
     step, consumed = 0, 0
-    source = _resume_source(config, run_dir)
     if source is not None:
         state = load_checkpoint(source, built, groups)
         step, consumed = int(state["step"]), int(state["consumed_samples"])
         check_resume(state.get("config"), config, step, consumed, source)
         changed = apply_optimizer_settings(built.optimizer, t)  # this run's settings win
         console.print(f"resumed from {source} at step {step}")
+        schedule_note = _schedule_change(state.get("config"), config)
+        if schedule_note is not None:
+            console.print(schedule_note)
         if changed:
             console.print(f"optimizer settings changed on resume: {', '.join(changed)}")
     metrics = MetricsLogger(run_dir, enabled=rank0, tensorboard=config.run.tensorboard)
@@ -160,7 +184,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     first_step, losses, stopped_by, saved = step, [], None, None
     console.print(
         f"[bold]mega-pretrain[/bold] {config.model.size} on {world} rank(s) "
-        f"(tp {p.tp}, pp {p.pp}, cp {p.cp}, dp {dp}), {device.type}, {t.precision}, "
+        f"(tp {p.tp}, pp {p.pp}, cp {p.cp}, dp {dp}), {device.type}, "
+        f"{precision_phrase(config, device.type)}, {threads}, "
         f"{t.steps} steps of {tokens_per_step} tokens -> {run_dir}"
     )
     _warn_if_no_evaluation(valid_set, config, dp, console)
@@ -174,16 +199,18 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     try:
         live.__enter__()
         while step < t.steps:
-            lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+            lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup,
                        total_steps=t.steps, decay=t.decay, wsd_decay_fraction=t.wsd_decay_fraction)  # fmt: skip
             batches = _microbatches(train_set, sampler, microbatches)
             skipped = False
             try:
                 loss, result = runner.train_step(batches, lr)
             except FloatingPointError as exc:
+                # the trainer numbers the steps: the optimizer's own "step N: " is dropped
+                why = f"step {step + 1}: {_STEP_PREFIX.sub('', str(exc), count=1)}"
                 if t.nan_policy != "skip":
-                    raise TrainingError(f"step {step + 1}: {exc}") from None
-                console.print(f"step {step + 1}: skipped ({exc})")
+                    raise TrainingError(why) from None
+                console.print(f"{why} (skipped)", markup=False)
                 runner.discard_step()
                 skipped = True
             step, consumed = step + 1, consumed + t.global_batch_size
@@ -253,6 +280,37 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
         f"[bold]{how}[/bold]: step {step}, {final}{rate:,.0f} tok/s overall, checkpoint {saved}"
     )
     return RunSummary(run_dir, first_step, step, losses, rate, stopped_by, saved)
+
+
+_STEP_PREFIX = re.compile(r"^step \d+: ")
+
+
+def _completed_step(config: TrainerConfig, source: Path | None) -> int | None:
+    """The step of the checkpoint to resume from when it already finished this run's
+    ``train.steps`` (nothing is left to do), else None; one sentence when it went past them."""
+    if source is None or not source.is_dir():
+        return None
+    try:
+        step = int(read_meta(source)["step"])
+    except CheckpointError:
+        return None  # load_checkpoint says what is wrong with it
+    if step < config.train.steps:
+        return None
+    check_resume(None, config, step, 0, source)  # raises past train.steps
+    return step
+
+
+def _schedule_change(saved: Any, config: TrainerConfig) -> str | None:
+    """One line when a resume changes ``train.steps``, which stretches or shrinks the decay
+    of the learning-rate schedule under the steps still to run."""
+    old = saved.get("train", {}).get("steps") if isinstance(saved, dict) else None
+    new = config.train.steps
+    if not isinstance(old, int) or old == new:
+        return None
+    return (
+        f"train.steps changed on resume: {old} -> {new}; the {config.train.decay} learning-rate "
+        f"schedule now runs over {new} steps"
+    )
 
 
 def _state(config: TrainerConfig, step: int, consumed: int) -> dict[str, Any]:

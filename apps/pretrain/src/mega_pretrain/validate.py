@@ -7,6 +7,8 @@ from pathlib import Path
 from mega_models import GPTConfig, HybridConfig
 from mega_parallel_grid import ParallelConfig, RankLayout
 from mega_pretrain.config import TrainerConfig
+from mega_pretrain.data import check_vocab
+from mega_pretrain.runtime import resolve_precision
 
 __all__ = ["check_config"]
 
@@ -75,10 +77,12 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             f"model.mamba_num_groups ({model.mamba_num_groups}) is not divisible by tp "
             f"({p.tp}); choose tp dividing {model.mamba_num_groups} or more groups"
         )
-    if t.fp8 and t.precision != "bf16":
+    precision = resolve_precision(t.precision)
+    if t.fp8 and precision != "bf16":
         raise ValueError(
-            f"train.fp8 needs train.precision bf16, not {t.precision}; set train.precision bf16 "
-            "or turn fp8 off"
+            f"train.fp8 needs train.precision bf16, not {t.precision}"
+            f"{f' (resolved to {precision})' if t.precision != precision else ''}; set "
+            "train.precision bf16 or turn fp8 off"
         )
     if t.fp8 and isinstance(model, HybridConfig):
         raise ValueError(_FP8_HYBRID)
@@ -123,9 +127,19 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
         )
     if model.is_moe:
         _check_moe(config, model)
-    if t.warmup_steps < 0 or t.lr <= 0 or t.min_lr < 0:
+    if t.warmup < 0 or t.lr <= 0 or t.min_lr < 0:
         raise ValueError(
-            f"train.lr ({t.lr}), min_lr ({t.min_lr}) and warmup_steps ({t.warmup_steps}) must be positive"
+            f"train.lr ({t.lr}), min_lr ({t.min_lr}) and warmup_steps ({t.warmup}) must be positive"
+        )
+    if t.warmup > t.steps:
+        raise ValueError(
+            f"train.warmup_steps ({t.warmup}) exceeds train.steps ({t.steps}), so the "
+            "learning rate would never reach train.lr; lower warmup_steps or raise steps"
+        )
+    if not config.run.timeout_minutes > 0:
+        raise ValueError(
+            f"run.timeout_minutes ({config.run.timeout_minutes}) must be positive: the minutes "
+            "a rank waits for its peers in a collective before failing, e.g. 10"
         )
     _check_optimizer(config)
     if t.eval_interval > 0:
@@ -155,6 +169,8 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
                 f"data.paths entry {prefix!r} has no {' or '.join(missing)}; give the prefix "
                 "`mega-pretrain preprocess --output` wrote (without .idx/.bin)"
             )
+    for prefix in config.data.paths:
+        check_vocab(prefix, model.vocab_size)
     if config.data.weights and len(config.data.weights) != len(config.data.paths):
         raise ValueError(
             f"data.weights has {len(config.data.weights)} entries but data.paths has "

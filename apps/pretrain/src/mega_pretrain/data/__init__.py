@@ -6,7 +6,12 @@ from mega_pretrain.data.corpus import default_cache_dir, default_corpus, ensure_
 from mega_pretrain.data.dataset import GPTDataset, SampleDataset
 from mega_pretrain.data.documents import DocumentSubset, TokenSource
 from mega_pretrain.data.errors import DataError
-from mega_pretrain.data.indexed import IndexedTokenDataset, IndexedTokenWriter, IndexHeader
+from mega_pretrain.data.indexed import (
+    IndexedTokenDataset,
+    IndexedTokenWriter,
+    IndexHeader,
+    check_vocab,
+)
 from mega_pretrain.data.preprocess import PreprocessStats, find_input_files, preprocess
 from mega_pretrain.data.sampler import DistributedBatchSampler
 from mega_pretrain.data.split import SampleSubset, split_train_valid
@@ -37,6 +42,7 @@ __all__ = [
     "Tokenizer",
     "blend_order",
     "build_tokenizer",
+    "check_vocab",
     "default_cache_dir",
     "default_corpus",
     "ensure_default_dataset",

@@ -40,7 +40,14 @@ import numpy.typing as npt
 
 from mega_pretrain.data.errors import DataError
 
-__all__ = ["IndexHeader", "IndexedTokenDataset", "IndexedTokenWriter", "token_dtype"]
+__all__ = [
+    "IndexHeader",
+    "IndexedTokenDataset",
+    "IndexedTokenWriter",
+    "check_vocab",
+    "sampled_max_id",
+    "token_dtype",
+]
 
 MAGIC = b"MEGAIDX\x00"
 VERSION = 1
@@ -347,4 +354,40 @@ class IndexedTokenDataset:
         return (
             f"IndexedTokenDataset({str(self.prefix)!r}: {len(self)} documents, "
             f"{self.num_tokens} tokens, vocab {self.vocab_size})"
+        )
+
+
+def sampled_max_id(ds: IndexedTokenDataset, blocks: int = 256, block: int = 1024) -> int:
+    """The largest id in ``blocks`` evenly spaced windows of ``block`` tokens (all of a small
+    file): a bounded read, ``blocks * block`` tokens at most, whatever the file's size; -1 when
+    the file holds no token."""
+    n = ds.num_tokens
+    if n == 0:
+        return -1
+    if n <= blocks * block:
+        return int(ds.tokens(0, n).max())
+    starts = np.linspace(0, n - block, blocks).astype(np.int64)
+    return max(int(ds.tokens(int(start), block).max()) for start in starts)
+
+
+def check_vocab(prefix: str | Path, vocab_size: int) -> None:
+    """Raise DataError (one sentence) when the token file at ``prefix`` holds ids the model's
+    vocabulary (``vocab_size``) has no embedding for: by its header's vocabulary, and, since a
+    header written by another tool may understate it, by the ids of a bounded sample."""
+    ds = IndexedTokenDataset(prefix)
+    way_out = (
+        "set --model.vocab_size to at least {need}, or preprocess the data with the "
+        "model's tokenizer"
+    )
+    if ds.vocab_size > vocab_size:
+        raise DataError(
+            f"the token file {ds.bin_path} was written for a vocabulary of {ds.vocab_size} "
+            f"tokens but the model has vocab_size {vocab_size}; "
+            + way_out.format(need=ds.vocab_size)
+        )
+    high = sampled_max_id(ds)
+    if high >= vocab_size:
+        raise DataError(
+            f"the token file {ds.bin_path} holds token id {high}, outside the model's "
+            f"vocab_size {vocab_size} (ids 0..{vocab_size - 1}); " + way_out.format(need=high + 1)
         )

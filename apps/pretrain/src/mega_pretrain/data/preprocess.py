@@ -57,11 +57,14 @@ class PreprocessStats:
     """Empty documents skipped."""
 
     def __str__(self) -> str:
-        rate = self.tokens / self.seconds if self.seconds > 0 else float("inf")
+        """A summary for people, ending with the flag that trains on what was written."""
+        rate = f"{self.tokens / self.seconds:,.0f}" if self.seconds > 0 else "-"
+        skipped = f" ({self.skipped_empty:,} empty skipped)" if self.skipped_empty else ""
+        files = f"{self.files:,} file{'s' if self.files != 1 else ''}"
         return (
-            f"{self.documents} documents, {self.tokens} tokens from {self.files} files "
-            f"({self.bytes / 1e6:.1f} MB) in {self.seconds:.1f} s ({rate / 1e6:.2f} M tokens/s) "
-            f"-> {self.output_prefix}.bin/.idx"
+            f"wrote {self.documents:,} documents{skipped}, {self.tokens:,} tokens from {files} "
+            f"({self.bytes:,} bytes) in {self.seconds:.1f} s ({rate} tokens/s) to "
+            f"{self.output_prefix}.bin and .idx; train on it with --data.paths {self.output_prefix}"
         )
 
 
@@ -119,7 +122,7 @@ def _text_field(obj: Any, key: str, where: str) -> str:
         names = [repr(k) for k in list(obj)[:10]] + (["..."] if len(obj) > 10 else [])
         raise DataError(
             f"{where} has no field {key!r}; its fields are {', '.join(names) or '(none)'}; "
-            "set jsonl_key to the field that holds the text"
+            "name the field that holds the text with --jsonl-key (jsonl_key= in Python)"
         )
     value = obj[key]
     if not isinstance(value, str):
