@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -45,10 +46,29 @@ def _core_replaying_rng_eager(
     return out
 
 
-# dynamo cannot trace checkpoint's context_fn: under torch.compile this runs eagerly
-_core_replaying_rng: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-    _core_replaying_rng_eager
-)
+@functools.cache
+def _core_replaying_rng_disabled() -> Callable[..., torch.Tensor]:
+    """:func:`_core_replaying_rng_eager` kept out of dynamo, which cannot trace checkpoint's
+    ``context_fn``. Wrapped on first use: ``torch.compiler.disable`` imports dynamo
+    (seconds), which ``import mega_models`` does not pay."""
+    disabled: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+        _core_replaying_rng_eager
+    )
+    return disabled
+
+
+def _core_replaying_rng(
+    core: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_len: int,
+    rng: RNGStatesTracker,
+) -> torch.Tensor:
+    """:func:`_core_replaying_rng_eager`, run eagerly under ``torch.compile`` too."""
+    if torch.compiler.is_compiling():
+        return _core_replaying_rng_disabled()(core, q, k, v, seq_len, rng)
+    return _core_replaying_rng_eager(core, q, k, v, seq_len, rng)
 
 
 class SelfAttention(nn.Module):

@@ -1,7 +1,9 @@
 """FP8 GEMMs for the linear layers: tensor-wise dynamic scaling through ``torch._scaled_mm``.
 
-Every GEMM operand is quantised when it is used: the amax of the whole tensor (this rank's
-tensor, under tensor parallelism) gives ``scale = fp8_max / max(amax, eps)``, and the fp8
+Every GEMM operand is quantised when it is used: the amax of the whole tensor gives
+``scale = fp8_max / max(amax, eps)``. Under tensor parallelism an operand that is a shard
+(passed with its group) takes the amax all-reduced (max) over that group, so every rank
+scales its shard as the whole tensor and the result is the same at any tp; the fp8
 value is ``x * scale``, clamped to the format's range and rounded to nearest. The GEMM
 multiplies the fp8 operands with an fp32 accumulator and then multiplies the result by
 both inverse scales. The three GEMMs of a linear layer (``y = x W^T``):

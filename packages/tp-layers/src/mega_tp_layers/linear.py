@@ -11,8 +11,10 @@ In the column layer's backward the input-gradient all-reduce (or reduce-scatter)
 issued asynchronously and overlapped with the weight-gradient GEMM.
 
 With ``fp8=Fp8Recipe()`` the forward, dgrad and wgrad GEMMs run in FP8 (``mega_tp_layers.fp8``);
-the collectives keep the activations' dtype. Scales are per rank: each rank quantises the
-tensors it holds (its weight shard; its gradient or input shard).
+the collectives keep the activations' dtype. Scales are those of the whole tensors, not
+of each rank's shard: a sharded operand (the weight shard; the column layer's output
+gradient, the row layer's input) takes its amax all-reduced (max) over tp, so the fp8
+values are the same at any tp; operands every rank holds whole are scaled locally.
 
 With ``tp_comm_overlap=True`` (sequence parallel, tp > 1) the sequence all-gather and
 reduce-scatter run as rings of chunks overlapped with the GEMMs (``mega_tp_layers.overlap``).
