@@ -325,3 +325,34 @@ def test_export_refuses_a_non_empty_directory(
     with pytest.raises(ValueError) as err:
         write_safetensors({"x": torch.zeros(2)}, checkpoints["llama"][0], SHARD_BYTES)
     one_sentence(err, "already holds a checkpoint", "empty directory")
+
+
+def test_export_keeps_the_base_config_keys(checkpoints: dict[str, tuple[Path, Any, Any]]) -> None:
+    """Every key of the config.json a model came from comes back: the keys the export does
+    not own unchanged, the owned ones where they read as the same model."""
+    from mega_models.hf import check_base_config
+
+    tokens = {"bos_token_id": 128000, "eos_token_id": [128001, 128009], "pad_token_id": None}
+    for arch in ARCHS:
+        source = {**json.loads((checkpoints[arch][0] / "config.json").read_text()), **tokens}
+        written = hf_config_from_gpt(gpt_config_from_hf(source), base=source)
+        assert {k: written.get(k, "missing") for k in source} == {**source, "dtype": "float32"}
+    # 4.x spellings: Mistral's max_position_embeddings beyond its window, Qwen2's unused window
+    legacy = {
+        "architectures": ["MistralForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128,
+        "vocab_size": 300, "rope_theta": 1e6, "rope_scaling": None, "sliding_window": 512,
+        "max_position_embeddings": 32768, "torch_dtype": "float32", "eos_token_id": 7,
+    }  # fmt: skip
+    qwen = {**legacy, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False,
+            "sliding_window": 131072, "max_window_layers": 28}  # fmt: skip
+    for source in (legacy, qwen):
+        config = gpt_config_from_hf(source)
+        written = hf_config_from_gpt(config, base=source)
+        assert {k: written.get(k, "missing") for k in source} == source
+        assert gpt_config_from_hf(written) == config
+    # the shape keys are the model's, and a base of another model's dimensions is refused
+    llama = gpt_config_from_hf(checkpoints["llama"][0])
+    with pytest.raises(ValueError) as err:
+        check_base_config(llama.replace(hidden_size=128), checkpoints["llama"][0], "way out")
+    one_sentence(err, "hidden_size 64", "has 128", "way out", str(checkpoints["llama"][0]))

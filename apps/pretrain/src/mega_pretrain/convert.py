@@ -3,6 +3,12 @@
 uv run mega-pretrain convert --from-hf llama-dir --to runs/llama   [--tp 2 --pp 2 under torchrun]
 uv run mega-pretrain --config runs/llama/model.toml                # continue training it
 uv run mega-pretrain convert --to-hf hf-out --from runs/llama      # export the latest checkpoint
+
+The import keeps the model folder's config.json, generation_config.json and tokenizer files
+in ``<run>/hf/``; the export writes every key of that config.json it does not own (token ids
+and the rest; it owns the shape keys it derives from the model) and copies the other files,
+so what the import read comes back out. A run trained from scratch has no ``hf/`` and
+exports with a config.json of the model's keys alone.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from mega_models import (
     load_hf_weights,
     save_hf_checkpoint,
 )
+from mega_models.hf import check_base_config, copy_side_files
 from mega_parallel_grid import init_process_groups
 from mega_pretrain.build import build, gpt_config, parallel_config
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -31,6 +38,9 @@ from mega_pretrain.runtime import pick_device, start_distributed, world_size_fro
 from mega_pretrain.validate import check_config
 
 __all__ = ["from_hf", "to_hf"]
+
+#: The folder of a run that holds the imported model's config.json and tokenizer files.
+KEPT_DIR = "hf"
 
 
 def _toml_value(value: Any) -> str:
@@ -85,11 +95,18 @@ def from_hf(hf_dir: Path, run_dir: Path, overrides: list[tuple[str, str]]) -> Pa
             f"name = {_toml_value(run_dir.name)}",
         ]
         (run_dir / "model.toml").write_text("\n".join(lines) + "\n")
+        copy_side_files(hf_dir, run_dir / KEPT_DIR)
     return path
 
 
+def _run_dir(source: Path) -> Path:
+    """The run folder of a checkpoint folder ``<run>/checkpoints/step_N``."""
+    return source.parent.parent if source.parent.name == "checkpoints" else source
+
+
 def to_hf(run_or_checkpoint: Path, out_dir: Path, overrides: list[tuple[str, str]]) -> Path:
-    """Export a mega checkpoint (a run folder's latest, or a checkpoint folder) as HF safetensors."""
+    """Export a mega checkpoint (a run folder's latest, or a checkpoint folder) as HF safetensors,
+    with the config.json keys, generation config and tokenizer files the import kept."""
     source = (
         latest_checkpoint(run_or_checkpoint)
         if (run_or_checkpoint / "checkpoints").is_dir()
@@ -109,6 +126,12 @@ def to_hf(run_or_checkpoint: Path, out_dir: Path, overrides: list[tuple[str, str
         if v is not None
     ]
     config = load_config(None, [("model.size", saved["model"]["size"]), *model, *overrides])
+    kept = _run_dir(source) / KEPT_DIR
+    base = kept / "config.json" if (kept / "config.json").is_file() else None
+    if base is not None:  # on every rank, before any collective
+        check_base_config(
+            gpt_config(config), base, f"delete {kept} to export without the imported config"
+        )
     groups, device = _start(config)
     built = build(config, groups, device)
     load_checkpoint(source, built, groups)
@@ -120,6 +143,7 @@ def to_hf(run_or_checkpoint: Path, out_dir: Path, overrides: list[tuple[str, str
     state = gather_full_state(chunks, groups.pp)
     if dist.get_rank() == 0 and groups.rank("dp") == 0:
         assert state is not None
-        save_hf_checkpoint(state, out_dir, config=gpt_config(config))
+        save_hf_checkpoint(state, out_dir, config=gpt_config(config), base_config=base)
+        copy_side_files(kept, out_dir, skip=("config.json",))
     dist.barrier()
     return out_dir

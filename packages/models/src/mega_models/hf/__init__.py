@@ -5,20 +5,25 @@ and Qwen2-MoE (shared expert with its sigmoid gate, ``norm_topk_prob``,
 ``decoder_sparse_step`` / ``mlp_only_layers``), with routers that compute what
 ``transformers`` computes. Import reads each rank's shard (tp, ep, etp, pipeline stage)
 straight from the safetensors files; export gathers the full tensors and writes
-config.json and safetensors shards with an index.
+config.json and safetensors shards with an index; given the config.json the model came
+from, the export keeps every key of it that the export does not own (token ids...), and
+:func:`copy_side_files` hands on the generation config and tokenizer files.
 
 Needs the ``hf`` extra (``safetensors``); it is imported only when a file is read or written.
 """
 
 from mega_models.hf.config import (
     HF_ARCHITECTURES,
+    OWNED_KEYS,
     HFLayout,
+    check_base_config,
     default_architecture,
     gpt_config_from_hf,
     hf_config_from_gpt,
     hf_layout,
     read_hf_config,
 )
+from mega_models.hf.files import HF_SIDE_FILES, copy_side_files
 from mega_models.hf.gather import gather_full_state
 from mega_models.hf.load import load_hf_weights
 from mega_models.hf.mapping import (
@@ -39,10 +44,14 @@ from mega_models.hf.save import hf_state_dict, save_hf_checkpoint, write_safeten
 
 __all__ = [
     "HF_ARCHITECTURES",
+    "HF_SIDE_FILES",
     "MOE_ARCHITECTURES",
+    "OWNED_KEYS",
     "HFLayout",
     "SafetensorsReader",
     "TensorMap",
+    "check_base_config",
+    "copy_side_files",
     "default_architecture",
     "fuse_qkv",
     "gather_full_state",

@@ -27,7 +27,9 @@ from mega_models.hf.moe import (
 
 __all__ = [
     "HF_ARCHITECTURES",
+    "OWNED_KEYS",
     "HFLayout",
+    "check_base_config",
     "default_architecture",
     "gpt_config_from_hf",
     "hf_config_from_gpt",
@@ -239,15 +241,25 @@ def hf_config_from_gpt(
 ) -> dict[str, Any]:
     """The ``config.json`` dict of ``config`` as ``architecture``.
 
-    ``architecture`` defaults to :func:`default_architecture`. ``base`` (e.g. the
-    config.json the model came from) keeps its other keys (token ids, ``layer_types``,
-    the router's training keys...); the shape keys are overwritten. A Llama model with
+    ``architecture`` defaults to ``base``'s, else to :func:`default_architecture`. ``base`` (e.g. the
+    config.json the model came from) gives every key the export does not own, unchanged
+    (token ids, ``use_cache``, ``max_window_layers``, the router's training keys...).
+
+    The export owns the keys it derives from ``config`` (:data:`OWNED_KEYS`): the
+    architecture, the shapes, the norm, RoPE, bias, window and expert keys, and ``dtype``
+    / ``torch_dtype`` (the dtype of the tensors written). Even an owned key keeps
+    ``base``'s value when that value reads back as the same model (Mistral's
+    ``max_position_embeddings`` beyond its window, Qwen2's unused ``sliding_window``),
+    so a model exported with the config it was imported from gets that config back,
+    with ``dtype`` as written and ``rope_theta`` / ``torch_dtype`` added for
+    transformers 4.x readers. A Llama model with
     ``add_bias`` is written with ``attention_bias`` and ``mlp_bias`` (``attention_bias``
     alone for ``qkv_bias``). An MoE model needs an MoE architecture and settings it can
     express, or this fails in one sentence naming the field.
     """
     check_convertible(config)
-    architecture = architecture or default_architecture(config)
+    if architecture is None:
+        architecture = hf_layout(base).architecture if base else default_architecture(config)
     if architecture not in HF_ARCHITECTURES:
         raise ValueError(
             f"architecture {architecture} is not supported by the mega HF bridge; "
@@ -292,4 +304,73 @@ def hf_config_from_gpt(
         out["layer_types"] = ["full_attention"] * config.num_layers
     if architecture in MOE_ARCHITECTURES:
         out.update(hf_moe_keys(config, architecture, out))
+    if base is not None:
+        _keep_base_spelling(out, base, config.num_layers)
     return out
+
+
+#: Keys :func:`hf_config_from_gpt` derives from the GPTConfig (some only for some
+#: architectures); every other key of a base config is written unchanged.
+OWNED_KEYS = (
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "rope_parameters", "rope_scaling", "tie_word_embeddings", "attention_dropout",
+    "initializer_range", "attention_bias", "mlp_bias", "qkv_bias", "sliding_window",
+    "use_sliding_window", "layer_types", "num_local_experts", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise",
+    "dtype", "torch_dtype",
+)  # fmt: skip
+# owned keys that name what is written, not what is computed: never taken from the base
+_WRITTEN = ("architectures", "model_type", "dtype", "torch_dtype")
+
+
+def _keep_base_spelling(out: dict[str, Any], base: Mapping[str, Any], num_layers: int) -> None:
+    """Put back each owned key of ``base`` whose value reads as the same model as ``out``'s.
+
+    Keys interact (a window caps ``max_position_embeddings``), so this repeats until no
+    key changes. ``layer_types`` (not read by the import) is kept when it has one entry
+    per layer.
+    """
+    reference = (gpt_config_from_hf(out), hf_layout(out))
+    changed = True
+    while changed:
+        changed = False
+        for key in OWNED_KEYS:
+            if key in _WRITTEN or key == "layer_types" or key not in base:
+                continue
+            if key in out and out[key] == base[key]:
+                continue
+            trial = {**out, key: base[key]}
+            try:
+                same = (gpt_config_from_hf(trial), hf_layout(trial)) == reference
+            except (ValueError, TypeError, KeyError):
+                same = False
+            if same:
+                out[key] = base[key]
+                changed = True
+    types = base.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers and "layer_types" in out:
+        out["layer_types"] = types
+
+
+#: The GPTConfig fields an HF config must agree on with the model exported with it.
+_SHAPE_FIELDS = (
+    "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "kv_heads",
+    "ffn_size", "num_experts", "moe_ffn_size", "moe_layers", "tie_embeddings",
+)  # fmt: skip
+
+
+def check_base_config(config: GPTConfig, base: HFSource, way_out: str) -> None:
+    """Raise, in one sentence ending with ``way_out``, if ``base`` (the config.json an
+    export keeps the other keys of) describes a model of other dimensions than ``config``."""
+    name = "the base config" if isinstance(base, Mapping) else str(base)
+    theirs = gpt_config_from_hf(base)
+    for field in _SHAPE_FIELDS:
+        want, have = getattr(theirs, field), getattr(config, field)
+        if want != have:
+            raise ValueError(
+                f"{name} describes a model with {field} {want} but the model to export has "
+                f"{have}; {way_out}"
+            )

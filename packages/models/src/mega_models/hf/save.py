@@ -14,6 +14,7 @@ from mega_models.config import GPTConfig
 from mega_models.gpt import GPTModel
 from mega_models.hf.config import (
     HFLayout,
+    check_base_config,
     check_convertible,
     default_architecture,
     hf_config_from_gpt,
@@ -188,7 +189,9 @@ def save_hf_checkpoint(
     covering every layer (pipeline stages or chunks built in this process), or a mapping
     of full tensors as :func:`~mega_models.hf.gather_full_state` returns on the first
     rank of a parallel run (then pass ``config``). ``architecture`` defaults to
-    ``base_config``'s (the original config.json, whose other keys are kept), else to
+    ``base_config``'s (the original config.json, whose keys the export does not own are
+    kept: :func:`~mega_models.hf.hf_config_from_gpt`; one of another model's dimensions
+    fails in one sentence), else to
     :func:`~mega_models.hf.default_architecture` (Llama, Qwen2, Mixtral or Qwen2-MoE).
     ``dtype`` casts floating tensors. Returns the names of the files written. Local:
     call it on one rank.
@@ -214,6 +217,9 @@ def save_hf_checkpoint(
         state = gathered
     base = None
     if base_config is not None:
+        check_base_config(
+            config, base_config, "pass the config.json this model was imported from, or none"
+        )
         base = read_hf_config(base_config)
     arch = architecture or (
         hf_layout(base).architecture if base is not None else default_architecture(config)
