@@ -105,11 +105,11 @@ def test_llama_round_trip_and_training(tmp_path: Path) -> None:
     assert "resumed from" in done.stdout and "step      3/3" in done.stdout
     # a kept config.json of other dimensions than the run's model: one sentence, no export
     kept = run / "hf" / "config.json"
-    kept.write_text(json.dumps({**json.loads(kept.read_text()), "hidden_size": 64}))
+    kept.write_text(json.dumps({**json.loads(kept.read_text()), "vocab_size": 512}))
     done = _run(["convert", "--to-hf", str(tmp_path / "out2"), "--from", str(run)], tmp_path)
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
-    assert "hidden_size 64 but the model to export has 32" in line, line
+    assert "vocab_size 512 but the model to export has 300" in line, line
     assert f"delete {run / 'hf'}" in line, line
 
 
