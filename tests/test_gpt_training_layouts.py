@@ -18,7 +18,12 @@ import torch.distributed as dist
 
 from mega_models import GPTModel
 from mega_parallel_grid import init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
+from mega_parallel_grid.testing import (
+    DistPool,
+    assert_close_to_reference,
+    rank_device,
+    solo_groups,
+)
 from mega_pretrain.build import build, gpt_config, parallel_config
 from mega_pretrain.config import load_config
 from mega_pretrain.step import StepRunner
@@ -26,17 +31,31 @@ from mega_tp_layers import gather_full, shard_spec
 
 STEPS, SEQ, MICRO, GLOBAL = 3, 16, 2, 8
 LR = 1e-3
-# fp32: layouts reorder float sums (~1e-7 relative per op). Adam divides each gradient by
-# its own RMS, so after 3 steps a weight moves by ~3*lr = 3e-3 and the relative rounding of
-# its gradient shows up as ~lr * 1e-5; 1e-6 absolute on weights (~170 ulps of 0.02) covers
-# it, while a wrong or missing gradient moves a weight by ~lr = 1e-3.
+# fp32: layouts reorder float sums; every comparison is ``assert_close_to_reference`` with n
+# from ``_chain``: a loss is a forward quantity (the forward chain), a gradient norm a sum of
+# squares of one step's gradients (the gradient chain). Adam divides each gradient by its
+# own RMS, so after 3 steps a weight moves by at most ~3*lr = 3e-3 and only that update
+# carries rounding (the initial weights are the same draw): the weights' scale is STEPS * LR
+# and n the gradient chain of all steps, while a wrong or missing gradient moves a weight
+# by ~lr = 1e-3.
 # Adam's eps is 1e-5 here, not 1e-8: for a weight whose gradient nearly cancels (|g| ~ 1e-9)
 # Adam's first update is lr * g / |g|, so rounding noise in g could flip its sign and move
 # the weight by 2 * lr in one layout and not the other; with eps = 1e-5 such updates are
 # lr * g / eps, proportional to g again, and every weight's rounding stays ~1e-9.
 EPS = 1e-5
-LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
-WEIGHT_TOL = {"rtol": 1e-5, "atol": 1e-6}
+UPDATE_SCALE = STEPS * LR
+
+
+def _chain(model: dict[str, object]) -> tuple[int, int]:
+    """(forward, one step's gradient) reduction lengths of the model (``assert_close_to_reference``):
+    per layer the norm, qkv and out projections and the MLP (h each, ffn), attention over the
+    sequence; then the head (h) and the softmax over the vocabulary. Backward retraces it,
+    and a weight gradient sums over the global batch's tokens."""
+    gpt = gpt_config(load_config(None, _overrides({}, model)))
+    h = gpt.hidden_size
+    forward = gpt.num_layers * (4 * h + max(gpt.ffn_size, gpt.moe_ffn_size) + SEQ)
+    forward += h + gpt.vocab_size
+    return forward, 2 * forward + GLOBAL * SEQ
 
 
 def _micro(layout: dict[str, object]) -> int:
@@ -147,17 +166,23 @@ def _check(
 ) -> None:
     ref_losses, ref_norms, ref_weights = dist_pool.run(_reference, 1, args=(model,))[0]
     results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model))
+    forward, grad = _chain(model)
     for losses, norms, _ in results:  # every rank logs the same global-batch loss and norm
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **LOSS_TOL)
+        assert_close_to_reference(
+            torch.tensor(losses), torch.tensor(ref_losses), reduction_length=forward, name="losses"
+        )
+        assert_close_to_reference(
+            torch.tensor(norms), torch.tensor(ref_norms), reduction_length=grad, name="grad norms"
+        )
     merged: dict[str, torch.Tensor] = {}
     for _, _, weights in results:  # each pipeline stage returns its own layers
         merged.update(weights)
     assert set(merged) == set(ref_weights)
     for name, value in merged.items():
-        torch.testing.assert_close(
-            value, ref_weights[name], msg=lambda m, n=name: f"{n}: {m}", **WEIGHT_TOL
-        )
+        assert_close_to_reference(
+            value, ref_weights[name], reduction_length=STEPS * grad, name=name,
+            scale=UPDATE_SCALE,
+        )  # fmt: skip
 
 
 LAYOUTS = [

@@ -24,7 +24,12 @@ import torch
 from mega_models import GPTConfig, GPTModel
 from mega_moe import MoELayer, expert_shard, gather_expert_weight, update_expert_biases
 from mega_parallel_grid import ProcessGroups, init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
+from mega_parallel_grid.testing import (
+    DistPool,
+    assert_close_to_reference,
+    rank_device,
+    solo_groups,
+)
 from mega_pretrain.build import build, gpt_config, parallel_config
 from mega_pretrain.config import load_config
 from mega_pretrain.moe_logging import moe_log_values
@@ -35,21 +40,21 @@ from mega_tp_layers import gather_full, shard_spec
 STEPS, SEQ, MICRO, GLOBAL = 3, 16, 2, 8
 LR = 1e-3
 # Tolerances and Adam's eps as in test_gpt_training_layouts.py: fp32 layouts reorder float
-# sums (~1e-7 relative per op); after 3 Adam steps of lr 1e-3 a weight carries ~lr * 1e-5 of
-# that rounding, so 1e-6 absolute on weights, while a wrong or missing gradient (or a wrong
-# aux-loss or expert-gradient scale) moves a weight by ~lr = 1e-3. eps = 1e-5 keeps Adam's
+# sums; ``assert_close_to_reference`` with n from ``_chain`` (forward for losses, one step's
+# gradients for norms, all steps' for weights, whose scale is the update STEPS * LR), while
+# a wrong or missing gradient (or a wrong aux-loss or expert-gradient scale) moves a weight
+# by ~lr = 1e-3. eps = 1e-5 keeps Adam's
 # first update proportional to a nearly cancelling gradient instead of lr * sign(noise).
 EPS = 1e-5
-LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
-# The gradient norm is an fp32 sum of squares like the loss, reduced in another order: the
-# loss's tolerance. The experts' and the tp-replicated norm weights' gradients are small here,
-# yet a norm leaving the experts out is off by ~8e-4 relative, one counting the norm weights
-# twice by ~1e-4: both well outside it. (Adam hardly sees a clip factor off by that much, so
-# the weights alone would not catch either.)
-NORM_TOL = LOSS_TOL
+# The gradient norm is an fp32 sum of squares of one step's gradients, reduced in another
+# order: the gradient chain's bound (~4e-5 relative here). The experts' and the
+# tp-replicated norm weights' gradients are small here, yet a norm leaving the experts out
+# is off by ~8e-4 relative, one counting the norm weights twice by ~1e-4: both outside it.
+# (Adam hardly sees a clip factor off by that much, so the weights alone would not catch
+# either.)
 # Below every reference step's norm (asserted there), so that every step clips.
 CLIP = 0.5
-WEIGHT_TOL = {"rtol": 1e-5, "atol": 1e-6}
+UPDATE_SCALE = STEPS * LR
 
 MIXTRAL = {
     "hidden_size": 32, "num_layers": 2, "num_attention_heads": 4, "num_query_groups": 2,
@@ -70,6 +75,18 @@ DEEPSEEK_16 = {
     **DEEPSEEK, "num_experts": 16, "moe_top_k": 6, "moe_ffn_hidden_size": 16,
     "moe_num_groups": 4, "moe_group_topk": 2,
 }  # fmt: skip
+
+
+def _chain(model: dict[str, object]) -> tuple[int, int]:
+    """(forward, one step's gradient) reduction lengths of the model (``assert_close_to_reference``):
+    per layer the norm, qkv and out projections and the MLP (h each, ffn), attention over the
+    sequence; then the head (h) and the softmax over the vocabulary. Backward retraces it,
+    and a weight gradient sums over the global batch's tokens."""
+    gpt = gpt_config(load_config(None, _overrides({}, model)))
+    h = gpt.hidden_size
+    forward = gpt.num_layers * (4 * h + max(gpt.ffn_size, gpt.moe_ffn_size) + SEQ)
+    forward += h + gpt.vocab_size
+    return forward, 2 * forward + GLOBAL * SEQ
 
 
 def _overrides(
@@ -217,10 +234,6 @@ def _world(layout: dict[str, object], dp: int) -> int:
     return sizes[0] * sizes[1] * sizes[2] * dp
 
 
-def _norm_msg(message: str) -> str:
-    return f"grad norm: {message}"
-
-
 def _check(
     dist_pool: DistPool,
     layout: dict[str, object],
@@ -233,22 +246,29 @@ def _check(
     )[0]
     results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model, micro))
     expected_log = _expected_log(ref_stats, dp)
+    forward, grad = _chain(model)
     for (losses, norms, _), logged in results:  # every rank logs the same global-batch values
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL)
-        torch.testing.assert_close(
-            torch.tensor(norms), torch.tensor(ref_norms), msg=_norm_msg, **NORM_TOL
+        assert_close_to_reference(
+            torch.tensor(losses), torch.tensor(ref_losses), reduction_length=forward, name="losses"
+        )
+        assert_close_to_reference(
+            torch.tensor(norms), torch.tensor(ref_norms), reduction_length=grad, name="grad norm"
         )
         assert logged.keys() == expected_log.keys()
         for key, got in logged.items():  # loads are exact counts; the loss an fp32 sum
-            torch.testing.assert_close(got, expected_log[key], rtol=1e-5, atol=1e-7, msg=key)
+            assert_close_to_reference(
+                torch.tensor(got), torch.tensor(expected_log[key]), reduction_length=forward,
+                name=key,
+            )  # fmt: skip
     merged: dict[str, torch.Tensor] = {}
     for (_, _, weights), _ in results:  # each pipeline stage returns its own layers
         merged.update(weights)
     assert set(merged) == set(ref_weights)
     for name, value in merged.items():
-        torch.testing.assert_close(
-            value, ref_weights[name], msg=lambda m, n=name: f"{n}: {m}", **WEIGHT_TOL
-        )
+        assert_close_to_reference(
+            value, ref_weights[name], reduction_length=STEPS * grad, name=name,
+            scale=UPDATE_SCALE,
+        )  # fmt: skip
 
 
 CASES = [

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,18 +13,25 @@ from torch import nn
 from mega_models import GPTConfig, GPTModel, finalize_model_grads, model_config
 from mega_models.context_parallel import zigzag_split
 from mega_parallel_grid import ParallelConfig, init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
+from mega_parallel_grid.testing import (
+    DistPool,
+    assert_close_to_reference,
+    rank_device,
+    solo_groups,
+)
 from mega_tp_layers import gather_full, shard_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tolerance import model_reduction_length
 
 # fp32 on CPU. A parallel layout changes only the order of float additions (tp splits
 # GEMM reductions and sums partials; cp merges softmax blocks; SP all-reduces norm grads).
 # Rounding error of a sum grows with the magnitude of its terms, not of its result, so
-# each tensor is compared with an absolute tolerance relative to its own largest entry
-# (2e-5 of it, ~170 fp32 ulps) plus the same relative one; any real error (a missing
-# shard, a wrong mask, a lost gradient) is orders of magnitude larger.
-RTOL = 2e-5
-
+# each tensor is compared through ``assert_close_to_reference``: a multiple of
+# u · sqrt(n) · max|ref| with n the model's chain of sums (``model_reduction_length``); any
+# real error (a missing shard, a wrong mask, a lost gradient) is orders of magnitude larger.
 SEQ, BATCH = 16, 2
+N = model_reduction_length(model_config("tiny"), seq=SEQ, tokens=SEQ * BATCH)
 
 
 def tiny(**changes: object) -> GPTConfig:
@@ -57,14 +67,7 @@ def compare(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: s
     # no pipeline split here: every rank holds (a shard of) every parameter
     assert set(mine) == set(ref), f"{what}: names differ {set(mine) ^ set(ref)}"
     for name, value in mine.items():
-        value = value.cpu()
-        torch.testing.assert_close(
-            value,
-            ref[name],
-            rtol=RTOL,
-            atol=RTOL * float(ref[name].abs().max()),
-            msg=lambda m, n=name: f"{what} {n}: {m}",
-        )
+        assert_close_to_reference(value, ref[name], reduction_length=N, name=f"{what} {name}")
 
 
 def all_reduce_grads(model: nn.Module, group: dist.ProcessGroup) -> None:
@@ -99,12 +102,10 @@ def _contract(tp: int, cp: int, sp: bool, cp_method: str, changes: dict[str, obj
     finalize_model_grads(model, groups)
     all_reduce_grads(model, groups.cp)  # each cp rank saw part of the tokens
     # each rank's per-token losses (its zigzag share of the sequence) against the reference's
-    torch.testing.assert_close(
-        loss.detach().cpu(),
-        zigzag_split(ref_loss.detach(), cp, cp_rank, dim=1),
-        rtol=2e-5,
-        atol=2e-6,
-    )
+    assert_close_to_reference(
+        loss, zigzag_split(ref_loss.detach(), cp, cp_rank, dim=1), reduction_length=N,
+        name="per-token loss",
+    )  # fmt: skip
     mine = {k: v.cpu() for k, v in full_params(model, config.vocab_size, grads=True).items()}
     compare(mine, full_params(ref_model, config.vocab_size, grads=True), "grad")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -27,12 +29,19 @@ from mega_moe import (
     moe_activated_params,
 )
 from mega_parallel_grid import ParallelConfig, ProcessGroups, init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
+from mega_parallel_grid.testing import (
+    DistPool,
+    assert_close_to_reference,
+    rank_device,
+    solo_groups,
+)
 from mega_tp_layers import gather_full, shard_spec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tolerance import model_reduction_length
+
 # fp32 on CPU, as in test_gpt_contract.py: layouts reorder float sums, so each tensor is
-# compared with 2e-5 of its own largest entry (absolute) plus 2e-5 relative.
-RTOL = 2e-5
+# compared through ``assert_close_to_reference`` with n the model's chain of sums (N below).
 SEQ, BATCH = 16, 2
 
 MOE = {
@@ -44,6 +53,10 @@ MOE = {
 
 def moe(**changes: object) -> GPTConfig:
     return model_config("tiny").replace(**{**MOE, **changes})
+
+
+# gradients sum over every dp rank's batch (dp <= 4 here)
+N = model_reduction_length(moe(), seq=SEQ, tokens=4 * SEQ * BATCH)
 
 
 # config -----------------------------------------------------------------------------------
@@ -167,10 +180,7 @@ def _full(model: GPTModel, groups: ProcessGroups, grads: bool) -> dict[str, torc
 def _compare(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str) -> None:
     assert set(mine) == set(ref), f"{what}: {set(mine) ^ set(ref)}"
     for name, value in mine.items():
-        torch.testing.assert_close(
-            value, ref[name], rtol=RTOL, atol=RTOL * float(ref[name].abs().max()),
-            msg=lambda m, n=name: f"{what} {n}: {m}",
-        )  # fmt: skip
+        assert_close_to_reference(value, ref[name], reduction_length=N, name=f"{what} {name}")
 
 
 def _sum_over(model: nn.Module, group: dist.ProcessGroup, experts: bool) -> None:
@@ -201,7 +211,7 @@ def _layout_contract(
     ids, labels = _batch(config, 7 + dp_rank)
     loss = model(ids.to(dev), labels.to(dev))
     loss.mean().backward()
-    torch.testing.assert_close(loss.detach().cpu(), mine_ref, rtol=RTOL, atol=RTOL)
+    assert_close_to_reference(loss, mine_ref, reduction_length=N, name="per-token loss")
     finalize_model_grads(model, groups)
     _sum_over(model, groups.dp, experts=False)
     _sum_over(model, groups.edp, experts=True)
@@ -278,8 +288,8 @@ def _aux_scale() -> None:
         ref_aux = [m.last_stats.loss for m in ref_layers if m.last_stats is not None]
         (ref_loss + scale * torch.stack(ref_aux).sum()).backward()
         # the same operations on one device, only the backward sums grouped differently
-        torch.testing.assert_close(grads[-1], _router_grad(ref), rtol=1e-6, atol=1e-9,
-                                   msg=lambda m, s=scale: f"aux_loss_scale {s}: {m}")  # fmt: skip
+        assert_close_to_reference(grads[-1], _router_grad(ref), reduction_length=N,
+                                  name=f"aux_loss_scale {scale} router grad")  # fmt: skip
     # and the scale matters: the router losses are a visible part of the router's gradient
     assert not torch.allclose(grads[0], grads[1], rtol=1e-4, atol=0)
 

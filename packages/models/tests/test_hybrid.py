@@ -3,6 +3,9 @@ losses, gradients, and weights after three AdamW steps."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,15 +16,22 @@ from mega_models.hybrid import HybridModel
 from mega_models.hybrid_config import HybridConfig
 from mega_models.stages import stage_spec
 from mega_parallel_grid import ParallelConfig, ProcessGroups, init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
+from mega_parallel_grid.testing import (
+    DistPool,
+    assert_close_to_reference,
+    rank_device,
+    solo_groups,
+)
 from mega_tp_layers import gather_full, shard_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tolerance import model_reduction_length
 
 # fp32 on CPU. A layout only reorders float sums (tp splits GEMM reductions; SP
 # all-reduces norm gradients; pp does not change arithmetic), so each tensor is compared
-# with an absolute tolerance of 2e-5 of its own largest entry (~170 fp32 ulps) plus the
-# same relative one, as in the GPT contract test. AdamW is elementwise, so the weights
-# after three steps keep that agreement (m / sqrt(v) is insensitive to the rounding of g).
-RTOL = 2e-5
+# through ``assert_close_to_reference`` with n the model's chain of sums over all three
+# steps (N below), as in the GPT contract test. AdamW is elementwise, so the weights after
+# three steps keep that agreement (m / sqrt(v) is insensitive to the rounding of g).
 SEQ, BATCH, STEPS = 16, 2, 3
 
 
@@ -33,6 +43,9 @@ def config(**changes: object) -> HybridConfig:
         mamba_head_dim=8, mamba_num_groups=2, mamba_chunk_size=5,
     )  # fmt: skip
     return base.replace(**changes)
+
+
+N = model_reduction_length(config(), seq=SEQ, tokens=SEQ * BATCH, steps=STEPS)
 
 
 def batch(c: HybridConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,9 +72,7 @@ def full_tensors(model: nn.Module, vocab: int, grads: bool) -> dict[str, torch.T
 def compare(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str) -> None:
     assert mine and set(mine) <= set(ref), f"{what}: unknown names {set(mine) - set(ref)}"
     for name, value in mine.items():
-        torch.testing.assert_close(value, ref[name], rtol=RTOL,
-                                   atol=RTOL * float(ref[name].abs().max()),
-                                   msg=lambda m, n=name: f"{what} {n}: {m}")  # fmt: skip
+        assert_close_to_reference(value, ref[name], reduction_length=N, name=f"{what} {name}")
 
 
 def run_stages(model: HybridModel, groups: ProcessGroups, ids: torch.Tensor,
@@ -114,7 +125,7 @@ def _contract(tp: int, pp: int, sp: bool, changes: dict[str, object], optim: str
         loss = run_stages(model, groups, ids, labels)
         finalize_model_grads(model, groups)
         if loss is not None:
-            torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=RTOL)
+            assert_close_to_reference(loss, ref_loss, reduction_length=N, name=f"step {step} loss")
         compare(full_tensors(model, c.vocab_size, True), full_tensors(ref, c.vocab_size, True),
                 f"step {step} grad")  # fmt: skip
         for optimizer in (opt_ref, opt):

@@ -3,6 +3,9 @@ layouts against one process, FLOPs of the activated experts, and bad input."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,14 +37,22 @@ from mega_moe import (
     moe_activated_params,
 )
 from mega_parallel_grid import ParallelConfig, ProcessGroups, init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device, solo_groups
+from mega_parallel_grid.testing import (
+    DistPool,
+    assert_close_to_reference,
+    rank_device,
+    solo_groups,
+)
 from mega_tp_layers import gather_full, shard_spec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tolerance import model_reduction_length
+
 # fp32 on CPU, as in test_hybrid.py and test_gpt_moe.py: a layout (or the reference's
-# token-by-token loop) only reorders float sums, so each tensor is compared with 2e-5 of its
-# own largest entry (absolute) plus 2e-5 relative. Routing is a discrete choice, but the
-# top-k logits of random tiny models are far apart compared with that rounding.
-RTOL = 2e-5
+# token-by-token loop) only reorders float sums, so each tensor is compared through
+# ``assert_close_to_reference`` with n the model's chain of sums (N below). Routing is a
+# discrete choice, but the top-k logits of random tiny models are far apart compared with
+# that rounding.
 SEQ, BATCH = 16, 2
 
 
@@ -55,6 +66,10 @@ def config(**changes: object) -> HybridConfig:
         moe_seq_aux_loss_coeff=0.01,
     )  # fmt: skip
     return base.replace(**changes)
+
+
+# gradients sum over every dp rank's batch (dp <= 4 here)
+N = model_reduction_length(config(), seq=SEQ, tokens=4 * SEQ * BATCH)
 
 
 def batch(c: HybridConfig, seed: int) -> tuple[Tensor, Tensor]:
@@ -181,7 +196,7 @@ def _against_dense_loop(changes: dict[str, object]) -> tuple[int, float]:
             hidden, None, final_norm=model.final_norm, output=model.output, tied_weight=None,
             tp_group=model.tp_group, sequence_parallel=False, vocab_size=c.vocab_size,
         )  # fmt: skip
-    torch.testing.assert_close(logits, expected, rtol=RTOL, atol=RTOL * float(expected.abs().max()))
+    assert_close_to_reference(logits, expected, reduction_length=N, name="logits")
     return routed, float((logits - expected).abs().max())
 
 
@@ -242,9 +257,7 @@ def full_tensors(model: HybridModel, groups: ProcessGroups, grads: bool) -> dict
 def compare(mine: dict[str, Tensor], ref: dict[str, Tensor], what: str) -> None:
     assert mine and set(mine) <= set(ref), f"{what}: unknown names {set(mine) - set(ref)}"
     for name, value in mine.items():
-        torch.testing.assert_close(value, ref[name], rtol=RTOL,
-                                   atol=RTOL * float(ref[name].abs().max()),
-                                   msg=lambda m, n=name: f"{what} {n}: {m}")  # fmt: skip
+        assert_close_to_reference(value, ref[name], reduction_length=N, name=f"{what} {name}")
 
 
 def run_stages(model: HybridModel, groups: ProcessGroups, ids: Tensor,
@@ -305,7 +318,8 @@ def _contract(
     ids, labels = batch(c, 7 + dp_rank)
     loss = run_stages(model, groups, ids, labels)
     if loss is not None:
-        torch.testing.assert_close(loss, mine_ref, rtol=RTOL, atol=RTOL)
+        assert mine_ref is not None
+        assert_close_to_reference(loss, mine_ref, reduction_length=N, name="per-token loss")
     finalize_model_grads(model, groups)
     _sum_over(model, groups.dp, experts=False)
     _sum_over(model, groups.edp, experts=True)

@@ -9,11 +9,16 @@ from torch.utils.flop_counter import FlopCounterMode
 from mega_models.hybrid_config import HybridConfig
 from mega_models.hybrid_flops import ssd_flops_per_token
 from mega_models.ssd import ssd_chunked, ssd_sequential
+from mega_parallel_grid.testing import assert_close_to_reference
 
-# fp64: the chunked form only reorders sums of O(1) terms over <= 23 steps and
-# exponentiates sums of <= 23 log-decays, so both forms agree to ~1e-15; 1e-12 leaves
-# room for that and is ~1e8 times smaller than any real error (a wrong decay or mask).
-TOL = {"rtol": 1e-12, "atol": 1e-12}
+# fp64: the chunked form only reorders sums of O(1) terms over the steps (state-sized
+# products each) and exponentiates sums of as many log-decays, so both forms agree to the
+# rounding bound of ``assert_close_to_reference`` at fp64's u with n = 2 · L · (state + 1)
+# (forward and back): ~1e-14 of the values, far below any real error (a wrong decay or mask).
+
+
+def _n(length: int, state: int) -> int:
+    return 2 * length * (state + 1)
 
 
 def _inputs(
@@ -37,13 +42,13 @@ def test_chunked_matches_sequential(chunk: int, h: int, g: int) -> None:
     mine_in = [t.detach().clone().requires_grad_() for t in ref_in]
     ref = ssd_sequential(*ref_in)
     out = ssd_chunked(*mine_in, chunk_size=chunk)
-    torch.testing.assert_close(out, ref, **TOL)
+    assert_close_to_reference(out, ref, reduction_length=_n(23, 5), name="output")
     grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)
     ref.backward(grad)
     out.backward(grad)
     for name, mine, full in zip("x dt A B C".split(), mine_in, ref_in, strict=True):
         assert mine.grad is not None and full.grad is not None
-        torch.testing.assert_close(mine.grad, full.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        assert_close_to_reference(mine.grad, full.grad, reduction_length=_n(23, 5), name=name)
 
 
 def test_long_decay_keeps_precision() -> None:
@@ -52,7 +57,9 @@ def test_long_decay_keeps_precision() -> None:
     dt = dt * 20.0  # log-decays down to -60 per step: exp of the prefix sums underflows
     ref = ssd_sequential(x, dt, A, B, C)
     for chunk in (4, 16):
-        torch.testing.assert_close(ssd_chunked(x, dt, A, B, C, chunk), ref, **TOL)
+        assert_close_to_reference(
+            ssd_chunked(x, dt, A, B, C, chunk), ref, reduction_length=_n(64, 4), name=f"{chunk}"
+        )
 
 
 def test_fp32_close_to_fp64() -> None:
@@ -60,8 +67,8 @@ def test_fp32_close_to_fp64() -> None:
     x, dt, A, B, C = (t.detach() for t in _inputs(40, 2, 4, 8, 2, 16, seed=5))
     ref = ssd_sequential(x, dt, A, B, C)
     out = ssd_chunked(*(t.float() for t in (x, dt, A, B, C)), chunk_size=16)
-    # outputs are sums of ~40 * 16 products of O(1) values: ~1e-5 absolute in fp32
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    # outputs are sums of ~40 * 16 products of O(1) values: fp32's u applies
+    assert_close_to_reference(out, ref, reduction_length=_n(40, 16), name="fp32 scan")
 
 
 def test_flop_formula_matches_counted_matmuls() -> None:

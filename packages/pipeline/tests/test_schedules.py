@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from mega_parallel_grid.testing import DistPool, rank_device
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
 from mega_pipeline import (
     Action,
     LossFunc,
@@ -45,9 +45,11 @@ from mega_pipeline.memory import is_deallocated
 H = 16
 LAYERS = 8
 SHAPE = (2, 3, H)  # [s, b, h]: activations are sequence-first
-# fp32 on CPU: the same operations run in the same order on both sides; the tolerance
-# covers float rounding should a backend reorder a sum (reduction or gemm blocking).
-RTOL, ATOL = 1e-5, 1e-6
+# fp32 on CPU: the same operations run in the same order on both sides; the rounding bound
+# of ``assert_close_to_reference`` covers a backend that reorders a sum (reduction or gemm
+# blocking): n is the stack's chain, H per layer forward and back, then the tokens of up to
+# 16 microbatches for a weight gradient.
+N = 2 * LAYERS * H + 16 * SHAPE[0] * SHAPE[1]
 
 
 class _ViewOut(nn.Module):
@@ -220,14 +222,14 @@ def _check_schedules(pp: int, vpp: int, variable: bool = False) -> list[float]:
         assert len(losses) == (m if last_rank else 0)
         shared = broadcast_losses(losses, pp_group)
         got = torch.stack([d["loss"] for d in shared]).cpu()
-        torch.testing.assert_close(got, torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+        assert_close_to_reference(got, torch.tensor(ref_losses), reduction_length=N, name="losses")
         assert sorted(shared[0]) == ["loss", "out_mean"]
         all_losses += got.tolist()
         # gradients of this rank's layers equal the unsplit stack's
         for c, r in zip(chunks, ranges, strict=True):
             first = 2 * r.start  # two parameters (weight, bias) per layer
             for p, ref in zip(c.parameters(), ref_grads[first : 2 * r.stop], strict=True):
-                torch.testing.assert_close(_grad(p).cpu(), ref, rtol=RTOL, atol=ATOL)
+                assert_close_to_reference(_grad(p), ref, reduction_length=N, name="grad")
         # executed order == pure schedule (the textbook order is checked in test_order)
         executed = [Action(e[0], e[1], e[2]) for e in rec.trace if e[0] in ("F", "B")]
         expected = _expected_order(pp, vpp, rank, m, False)
@@ -263,7 +265,9 @@ def _check_schedules(pp: int, vpp: int, variable: bool = False) -> list[float]:
         )
         if last_rank:
             got = torch.stack([d["loss"] for d in losses]).cpu()
-            torch.testing.assert_close(got, torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+            assert_close_to_reference(
+                got, torch.tensor(ref_losses), reduction_length=N, name="forward-only losses"
+            )
         assert all(p.grad is None for c in chunks for p in c.parameters())
         assert [Action(*e[:3]) for e in rec.trace] == _expected_order(pp, vpp, rank, m, True)
     return all_losses
@@ -301,16 +305,14 @@ def _check_split(split: list[int] | None, scale: float) -> None:
         grad_scale_func=(lambda loss: loss * scale) if scale != 1.0 else None,
     )
     if rank == 1:  # returned losses are unscaled
-        torch.testing.assert_close(
-            torch.stack([d["loss"] for d in losses]).cpu(),
-            torch.tensor(ref_losses),
-            rtol=RTOL,
-            atol=ATOL,
-        )
+        assert_close_to_reference(
+            torch.stack([d["loss"] for d in losses]), torch.tensor(ref_losses),
+            reduction_length=N, name="unscaled losses",
+        )  # fmt: skip
     params = list(chunk.parameters())
     assert len(params) == 2 * len(r)
     for p, ref in zip(params, ref_grads[2 * r.start : 2 * r.stop], strict=True):
-        torch.testing.assert_close(_grad(p).cpu(), ref * scale, rtol=RTOL, atol=ATOL)
+        assert_close_to_reference(_grad(p), ref * scale, reduction_length=N, name="scaled grad")
 
 
 def test_grad_scale_func_scales_gradients_only(dist_pool: DistPool) -> None:

@@ -1,9 +1,10 @@
 """Column/Row parallel linear layers == nn.Linear on the full weights, for tp 1-4, SP on/off.
 
 Tolerance: fp32; the parallel run sums the same products in another order (partial
-sums over tp ranks, GEMMs of other shapes), so outputs and gradients of O(1) agree to
-rtol=1e-5, atol=1e-6 (about 100 ulps of the summed terms). Random values are drawn on the
-CPU (the same on any machine) and the reference then runs on the layers' device
+sums over tp ranks, GEMMs of other shapes), so every tensor agrees with the reference to
+the rounding bound of ``assert_close_to_reference``: a multiple of u · sqrt(n) · max|ref|,
+with n (``N``) the longest chain of reductions behind one element. Random values are drawn
+on the CPU (the same on any machine) and the reference then runs on the layers' device
 (``rank_device()``), so both sides use the same kernels: CPU and GPU kernels round
 differently, which this tolerance does not cover.
 """
@@ -27,7 +28,7 @@ from _tp_testing import recorded_dist_calls
 from torch import Tensor, nn
 
 from mega_parallel_grid import ParallelConfig, init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
 from mega_tp_layers import (
     ColumnParallelLinear,
     Normal,
@@ -41,9 +42,12 @@ from mega_tp_layers import (
     sync_sequence_parallel_grads,
 )
 
-RTOL, ATOL = 1e-5, 1e-6
 SEED = 11
 S, B, H, FFN, HEADS = 12, 2, 24, 48, 12  # every size divisible by tp in {1, 2, 3, 4}
+# Longest chain of sums behind one element: forward through the norm (H), fc1 (H) and fc2
+# (FFN), back through the same, then over the S·B tokens for a weight or bias gradient
+# (attention's chain, qkv H + head dim + S + proj H, is shorter).
+N = 2 * (2 * H + FFN) + S * B
 HEAD_DIM = H // HEADS
 CASES = [(tp, sp) for tp in (1, 2, 3, 4) for sp in (False, True)]
 COLLECTIVES = (
@@ -127,9 +131,7 @@ def _check_column_backward_overlap(events: list[str], tp: int, sp: bool, weight:
 
 
 def _close(actual: Tensor, expected: Tensor, what: str) -> None:
-    torch.testing.assert_close(
-        actual.detach().cpu(), expected.detach().cpu(), rtol=RTOL, atol=ATOL, msg=what
-    )
+    assert_close_to_reference(actual, expected, reduction_length=N, name=what)
 
 
 def _grad(t: Tensor | None) -> Tensor:

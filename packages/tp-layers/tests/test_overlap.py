@@ -9,8 +9,9 @@ order in which the tp partial products of a reduce-scatter are added:
   any tp; at tp = 2 everything is bitwise equal too (a + b == b + a, and CPU BLAS rounds a
   row slice of a GEMM exactly as the whole GEMM — which this test would catch if not);
 - tp = 3, 4: the ring adds the partials in ring order, gloo's reduce-scatter in its
-  own; three or four O(1) fp32 terms summed in another order differ by a few ulps, hence
-  rtol=1e-6, atol=1e-6 on the row output and the input gradient.
+  own; three or four fp32 partials summed in another order differ by a few ulps of their
+  size, hence the rounding bound of ``assert_close_to_reference`` with n = tp on the row
+  output and the input gradient.
 
 fp8 is emulated (``Fp8Recipe(emulate=True)``) on shapes whose whole GEMMs qualify for
 fp8 while the tp = 4 chunks (8 rows) alone would not, so the whole-tensor decision and
@@ -37,7 +38,7 @@ from _tp_testing import error_messages, recorded_dist_calls
 from torch import Tensor, nn
 
 from mega_parallel_grid import ParallelConfig, init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
 from mega_tp_layers import (
     ColumnParallelLinear,
     Fp8Recipe,
@@ -49,7 +50,6 @@ from mega_tp_layers import (
     shard_tensor,
 )
 
-RTOL, ATOL = 1e-6, 1e-6
 SEED = 5
 EMULATE = Fp8Recipe(emulate=True)
 # (S, B, H, FFN, heads): every size divisible by tp in {2, 3, 4}; the fp8 set has GEMM dims
@@ -133,7 +133,7 @@ def _check_block(kind: str, tp: int, fp8: bool, bias: bool) -> dict[str, Counter
         if tp == 2:
             assert torch.equal(new, old), f"{what} must be bitwise equal at tp=2"
         else:
-            torch.testing.assert_close(new, old, rtol=RTOL, atol=ATOL, msg=what)
+            assert_close_to_reference(new, old, reduction_length=tp, name=what)
     return calls
 
 

@@ -7,8 +7,9 @@ same dp group, one wrapper averaging (``"mean"``) and the other summing with
 steps. The gradients (each rank's owned shard under the distributed optimizer, all of them
 otherwise) and the optimizer's gradient norm are compared with plain autograd over the whole
 global batch: AdamW's update hardly changes when a gradient is scaled by a constant, so the
-weights alone would not notice a wrong ``grad_scale``. fp32 on CPU: rtol=1e-5, atol=1e-7
-(the same per-sample gradients summed in another order, scaled by a power of two).
+weights alone would not notice a wrong ``grad_scale``. fp32 on CPU: the rounding bound of
+``assert_close_to_reference`` (the same per-sample gradients summed in another order, scaled
+by a power of two; n = ``N``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega_parallel_grid import ParallelConfig, init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
 from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, StepResult
 
-RTOL, ATOL = 1e-5, 1e-7
 WIDTH = 8
+N = 2 * (2 * 4 * WIDTH + 4 * 4)  # two steps of four layers forward and back, then the batch
 
 
 def _net() -> nn.Sequential:
@@ -69,9 +70,10 @@ def _check_grads(
         ranges = [(q["start"], q["end"]) for q in owned[name]] if distributed else [(0, p.numel())]
         for start, end in ranges:
             where = f"{name}[{start}:{end}]"
-            torch.testing.assert_close(
-                got[start:end], want[start:end], rtol=RTOL, atol=ATOL, msg=_prefixed(where)
-            )
+            assert_close_to_reference(
+                got[start:end], want[start:end], reduction_length=N, name=where,
+                scale=float(want.abs().max()),  # the whole tensor's scale, not the slice's
+            )  # fmt: skip
 
 
 def _split_wrappers(distributed: bool) -> dict[str, object]:
@@ -110,9 +112,12 @@ def _split_wrappers(distributed: bool) -> dict[str, object]:
             results.append(o.step())
         norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in expected.values()])))
         for result in results:
-            torch.testing.assert_close(result.grad_norm, norm, rtol=RTOL, atol=0.0)
+            assert_close_to_reference(
+                torch.tensor(result.grad_norm), torch.tensor(norm), reduction_length=N,
+                name="grad norm",
+            )  # fmt: skip
     for (name, p), r in zip(net.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL, msg=name)
+        assert_close_to_reference(p, r, reduction_length=N, name=name)
     return owned
 
 
@@ -136,7 +141,7 @@ def _scaled_on_one_rank() -> None:
     F.mse_loss(ref(x.to(rank_device())), y.to(rank_device())).backward()
     for p, r in zip(net.parameters(), ref.parameters(), strict=True):
         assert r.grad is not None
-        torch.testing.assert_close(p.main_grad, r.grad * 0.25, rtol=RTOL, atol=ATOL)  # type: ignore[attr-defined]
+        assert_close_to_reference(p.main_grad, r.grad * 0.25, reduction_length=N, name="grad")  # type: ignore[attr-defined]
 
 
 def test_grad_scale_applies_without_a_collective(dist_pool: DistPool) -> None:

@@ -11,10 +11,28 @@ fixture (registered automatically by this package's pytest plugin)::
 
     def test_all_reduce(dist_pool):
         dist_pool.run(_check, world_size=4, args=(4,))
+
+Compare a parallel result with its single-process reference through
+:func:`assert_close_to_reference`: a bound scaled by the tensor's magnitude and the length
+of the reductions that produced it, so it holds on any CPU's kernels (see ``tolerance``).
 """
 
 from mega_parallel_grid.testing.device import rank_device
 from mega_parallel_grid.testing.pool import DistPool, RankFailedError, RankTimeoutError
 from mega_parallel_grid.testing.solo import solo_groups
+from mega_parallel_grid.testing.tolerance import (
+    MARGIN,
+    assert_close_to_reference,
+    rounding_bound,
+)
 
-__all__ = ["DistPool", "RankFailedError", "RankTimeoutError", "rank_device", "solo_groups"]
+__all__ = [
+    "MARGIN",
+    "DistPool",
+    "RankFailedError",
+    "RankTimeoutError",
+    "assert_close_to_reference",
+    "rank_device",
+    "rounding_bound",
+    "solo_groups",
+]
