@@ -19,7 +19,11 @@ __all__ = ["expert_activation", "grouped_linear", "grouped_mm_available"]
 
 def _aligned(t: Tensor, *dims: int) -> bool:
     size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(d * size % 16 == 0 for d in dims)
+    if not all(d * size % 16 == 0 for d in dims):
+        return False
+    # under torch.compile the pointer cannot be read; the compiler lays out what it makes
+    # (the tokens and activations are fresh tensors here, the weights whole parameters)
+    return torch.compiler.is_compiling() or t.data_ptr() % 16 == 0
 
 
 def grouped_mm_available(x: Tensor, *weights: Tensor) -> bool:
@@ -48,27 +52,39 @@ def _contiguous(grad: Tensor) -> Tensor:
     return grad.contiguous()
 
 
-def _offsets(ends: list[int], device: torch.device) -> Tensor:
-    """``ends`` as an int32 tensor on ``device``; to a GPU through pinned memory without
-    blocking (a plain copy from pageable memory would synchronise the stream every call)."""
-    host = torch.tensor(ends, dtype=torch.int32)
-    if device.type == "cuda":
+def _offsets(counts: list[int] | Tensor, device: torch.device) -> Tensor:
+    """The int32 end row of each expert's block, on ``device``.
+
+    Device counts give them with a cumulative sum (no host sync, nothing for the compiler
+    to break on). Host counts are copied up; eagerly on a GPU through pinned memory without
+    blocking (a copy from pageable memory would synchronise the stream every call), under
+    ``torch.compile`` as a plain tensor (the compiler cannot trace pinning).
+    """
+    if isinstance(counts, Tensor):
+        return torch.cumsum(counts, 0).to(torch.int32)
+    ends = list(accumulate(counts))
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        host = torch.tensor(ends, dtype=torch.int32)
         return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return torch.tensor(ends, dtype=torch.int32, device=device)
 
 
-def grouped_linear(x: Tensor, weight: Tensor, counts: list[int], use_grouped_mm: bool) -> Tensor:
+def grouped_linear(
+    x: Tensor, weight: Tensor, counts: list[int] | Tensor, use_grouped_mm: bool
+) -> Tensor:
     """``[M, in] -> [M, out]``: rows of expert l (``counts[l]`` of them) times ``weight[l].T``.
 
-    ``weight`` is ``[L, out, in]`` (the nn.Linear layout per expert).
+    ``weight`` is ``[L, out, in]`` (the nn.Linear layout per expert); ``counts`` on the host
+    or ``[L]`` on the device (read on the host only by the loop).
     """
     if use_grouped_mm:
-        offs = _offsets(list(accumulate(counts)), x.device)
+        offs = _offsets(counts, x.device)
         out: Tensor = torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
         if out.requires_grad:
             out.register_hook(_contiguous)  # type: ignore[no-untyped-call]  # dense grads
         return out
-    blocks = torch.split(x, counts)
+    sizes = counts.tolist() if isinstance(counts, Tensor) else counts
+    blocks = torch.split(x, sizes)
     return torch.cat([F.linear(block, weight[e]) for e, block in enumerate(blocks)])
 
 

@@ -66,10 +66,20 @@ def sort_by_expert(routing_map: Tensor, per_token: int | None = None) -> tuple[P
     ``per_token``: every row of the map holds exactly this many True (no dropping).
     Returns the permutation and the per-expert counts ``[E]`` (on the device).
     """
-    pairs = routing_map.t().nonzero()  # [M, 2] (expert, token), expert-major
     n = routing_map.shape[0]
+    counts = routing_map.sum(dim=0)
+    if per_token is not None:
+        # exactly k experts per token: M = N*k rows, a static shape (no host sync, no
+        # graph break under torch.compile). A stable sort of the token-major expert ids is
+        # expert-major with ascending token index inside each expert, as nonzero gives.
+        chosen = torch.argsort((~routing_map).to(torch.uint8), dim=1, stable=True)[:, :per_token]
+        flat = chosen.flatten()  # [N*k] expert of each (token, choice), token-major
+        order = torch.argsort(flat, stable=True)
+        token_idx = torch.div(order, per_token, rounding_mode="floor")
+        return Permutation(token_idx, flat[order], n, padded=False, per_token=per_token), counts
+    pairs = routing_map.t().nonzero()  # [M, 2] (expert, token), expert-major
     perm = Permutation(pairs[:, 1], pairs[:, 0], n, padded=False, per_token=per_token)
-    return perm, routing_map.sum(dim=0)
+    return perm, counts
 
 
 def capacity_slots(routing_map: Tensor, capacity: int) -> Permutation:

@@ -51,8 +51,9 @@ class Dispatched:
 
     tokens: Tensor
     """``[M, h]``: the rows of local expert 0, then of local expert 1, ..."""
-    counts: list[int]
-    """Rows per local expert (sums to M)."""
+    counts: list[int] | Tensor
+    """Rows per local expert (sums to M): on the host, or ``[L]`` on the device when no
+    collective needed the sizes (one rank holds every expert)."""
     side: Tensor | None
     """The result of the ``during`` callable, computed while the dispatch was in flight."""
     perm: Permutation
@@ -156,6 +157,13 @@ class AllToAllDispatcher(_Dispatcher):
         weights = perm.weights(routing.probs)  # [M_send]
         send = perm.gather(tokens)  # [N, h] -> [M_send, h] expert-major
         etp_size = group_size(self.etp_group)
+        if ep == 1 and etp_size == 1 and not routing.pad_to_capacity:
+            # one rank holds every expert: nothing travels, so the counts stay on the
+            # device (the grouped GEMM takes its offsets from them): no host sync
+            m = send.shape[0]
+            side = during() if during is not None else None
+            return Dispatched(send, counts, side, perm, weights, _EtpState([m], None, None),
+                              ([m], [m]))  # fmt: skip
         if routing.pad_to_capacity:
             # every chunk is exactly `capacity` rows (each rank routes as many tokens), so
             # the split sizes are known on the host: no count exchange, no host sync

@@ -121,12 +121,19 @@ def _mark_expert(module: ShardedModule, path: str, shard: ExpertShard) -> None:
     module._mega_attrs[path][EXPERT_ATTR] = shard
 
 
-def _check_tokens(owner: str, x: Tensor, counts: list[int], layout: _Layout) -> None:
+def _check_tokens(owner: str, x: Tensor, counts: list[int] | Tensor, layout: _Layout) -> None:
     if x.dim() != 2 or x.shape[1] != layout.hidden:
         raise ValueError(
             f"{owner} expects tokens [M, {layout.hidden}], got shape {tuple(x.shape)}; "
             "pass the dispatcher's expert-major tokens"
         )
+    if isinstance(counts, Tensor):  # device counts: their sum is not read (no host sync)
+        if counts.shape != (layout.local,):
+            raise ValueError(
+                f"{owner} got counts of shape {tuple(counts.shape)} for {layout.local} local "
+                "experts; pass one count per local expert"
+            )
+        return
     if len(counts) != layout.local or sum(counts) != x.shape[0]:
         raise ValueError(
             f"{owner} got counts {counts} for {x.shape[0]} tokens and {layout.local} local "
@@ -219,10 +226,11 @@ class SequentialMLP(nn.Module):
                 init_full((lay.hidden, lay.ffn), init2, torch.default_generator)
         self.local_experts = nn.ModuleDict(experts)
 
-    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+    def forward(self, x: Tensor, counts: list[int] | Tensor) -> Tensor:
         """``[M, h]`` expert-major (``counts[l]`` rows for local expert l) -> ``[M, h]``."""
         _check_tokens("SequentialMLP", x, counts, self.layout)
-        blocks = torch.split(x, counts)
+        sizes = counts.tolist() if isinstance(counts, Tensor) else counts
+        blocks = torch.split(x, sizes)
         outs = [
             expert(block) for expert, block in zip(self.local_experts.values(), blocks, strict=True)
         ]
@@ -296,8 +304,9 @@ class GroupedMLP(ShardedModule):
             )
         return available
 
-    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
-        """``[M, h]`` expert-major (``counts[l]`` rows for local expert l) -> ``[M, h]``."""
+    def forward(self, x: Tensor, counts: list[int] | Tensor) -> Tensor:
+        """``[M, h]`` expert-major (``counts[l]`` rows for local expert l) -> ``[M, h]``;
+        ``counts`` on the host or ``[L]`` on the device."""
         _check_tokens("GroupedMLP", x, counts, self.layout)
         fast = self.uses_grouped_mm(x)
         w1 = self.weight1.flatten(1, 2)  # [L, G*ffn/etp, h]
