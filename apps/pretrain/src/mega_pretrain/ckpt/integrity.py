@@ -153,7 +153,7 @@ def write_failure(tmp: Path, exc: BaseException, rank_bytes: int) -> CheckpointE
     if full and free is not None:
         return CheckpointError(
             f"writing checkpoint {tmp} failed: the disk holding {root} is full "
-            f"({free / 2**20:,.0f} MiB free, this rank writes up to {rank_bytes / 2**20:,.0f} "
+            f"({free / 2**20:,.1f} MiB free, this rank writes up to {rank_bytes / 2**20:,.1f} "
             f"MiB; {dcp_failure(exc, 120)}); {kept}, so free space (or lower "
             "checkpoint.keep_last) and resume"
         )
