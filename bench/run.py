@@ -1,0 +1,139 @@
+"""One device call per suite: every benchmark of the suite in its own process, one table last.
+
+On the GPU machine, from the repository root (no uv there; the source tree is the install):
+
+    python3 bench/run.py families          # every model family through train.compile
+    python3 bench/run.py moe single        # several suites, one after another
+    python3 bench/run.py --list            # the suites and their commands
+
+Each command runs with its own timeout (one failure or OOM does not stop the rest); its
+output goes to ``$OUT/<suite>.log`` (``--out DIR`` or $OUT, default /tmp/bench_out) and
+its JSON result line to ``$OUT/results.jsonl``. The last thing printed is the table of
+``bench/side_by_side.py`` over that folder, then one line per command with its status.
+The peers' scripts are read from ``anchors/`` (a copy of the shared anchors folder,
+ignored by git, carried to the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: (label, timeout in s, command) per suite; commands run from the repository root
+Suite = list[tuple[str, int, str]]
+
+_STEP = "python3 bench/mega_step.py"
+_TRAIN = (
+    "python3 -m mega_pretrain --train.compile true --train.steps 12 --train.log_interval 4 "
+    "--train.eval_interval 0 --checkpoint.save_interval 0 --run.out_dir /tmp/runs"
+)
+
+SUITES: dict[str, Suite] = {
+    "ceiling": [("ceiling", 60, "python3 anchors/ceiling.py")],
+    "families": [
+        ("moe-2b compile", 240, f"{_STEP} --size moe-2b --mb 4 --compile"),
+        ("deepseek-3b compile", 240, f"{_STEP} --size deepseek-3b --mb 4 --compile"),
+        ("trainer gpt 125m", 150, f"{_TRAIN} --model.size 125m --run.name f-gpt"),
+        ("trainer moe-2b", 200, f"{_TRAIN} --model.size moe-2b --train.micro_batch_size 4 "
+                                "--train.global_batch_size 4 --run.name f-moe"),
+        ("trainer hybrid-1b", 200, f"{_TRAIN} --model.size hybrid-1b --train.micro_batch_size 2 "
+                                   "--train.global_batch_size 2 --run.name f-hybrid"),
+        ("trainer hybrid-moe-tiny", 150, f"{_TRAIN} --model.size hybrid-moe-tiny --run.name f-hmoe"),
+    ],
+    "moe": [
+        ("moe-2b eager", 180, f"{_STEP} --size moe-2b --mb 4"),
+        ("moe-2b compile", 240, f"{_STEP} --size moe-2b --mb 4 --compile"),
+        ("deepseek-3b eager", 180, f"{_STEP} --size deepseek-3b --mb 4"),
+        ("deepseek-3b compile", 240, f"{_STEP} --size deepseek-3b --mb 4 --compile"),
+    ],
+    "single": [
+        ("mega compile", 180, f"{_STEP} --size 1b-bench --mb 8 --compile"),
+        ("mega eager", 150, f"{_STEP} --size 1b-bench --mb 8"),
+        ("torch compile", 180, "python3 anchors/torch_ref.py --mb 8 --compile"),
+        ("torch bf16 compile", 180, "python3 anchors/torch_ref.py --mb 8 --compile --precision bf16"),
+        ("torch eager", 150, "python3 anchors/torch_ref.py --mb 8"),
+    ],
+    "fp8": [
+        ("mega compile", 180, f"{_STEP} --size 1b-bench --mb 8 --compile"),
+        ("mega compile fp8", 180, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8"),
+    ],
+    "hybrid": [("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile")],
+}  # fmt: skip
+
+_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def _env(out: Path) -> dict[str, str]:
+    env = dict(os.environ, OUT=str(out), **_ENV)
+    paths = sorted(str(p) for p in (*ROOT.glob("packages/*/src"), *ROOT.glob("apps/*/src")))
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def run_suite(name: str, out: Path, env: dict[str, str]) -> list[str]:
+    """Run every command of suite ``name``; returns one status line per command."""
+    status = []
+    log = out / f"{name}.log"
+    for label, timeout, command in SUITES[name]:
+        start = time.perf_counter()
+        with log.open("a") as f:
+            f.write(f"=== [{label}] {command}\n")
+            f.flush()
+            try:
+                rc = subprocess.run(
+                    command, shell=True, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                    timeout=timeout, check=False,
+                ).returncode  # fmt: skip
+            except subprocess.TimeoutExpired:
+                rc = 124
+            seconds = time.perf_counter() - start
+            f.write(f"=== [{label}] rc={rc} in {seconds:.0f} s\n")
+        status.append(f"{name:>9} | {label:<26} | rc {rc:>3} | {seconds:5.0f} s")
+        print(status[-1], flush=True)
+        if rc != 0:
+            print("    " + "\n    ".join(log.read_text().splitlines()[-8:]), flush=True)
+    return status
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("suites", nargs="*", help=f"one or more of: {', '.join(SUITES)}")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
+    ap.add_argument("--list", action="store_true", help="print the suites and exit")
+    args = ap.parse_args()
+    if args.list or not args.suites:
+        for name, suite in SUITES.items():
+            print(name)
+            for label, timeout, command in suite:
+                print(f"    {label} ({timeout} s): {command}")
+        return 0
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        print(
+            f"error: unknown suite(s) {unknown}; choose from {', '.join(SUITES)}", file=sys.stderr
+        )
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = _env(out)
+    status = [line for name in args.suites for line in run_suite(name, out, env)]
+    if (out / "results.jsonl").exists():
+        subprocess.run([sys.executable, "bench/side_by_side.py", str(out)], cwd=ROOT, env=env)
+    print("\n".join(status))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
