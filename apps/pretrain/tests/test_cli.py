@@ -258,6 +258,9 @@ def test_dry_run_states_precision_and_timeout_in_unwrapped_lines(tmp_path: Path)
     assert len(model) > 200 and model.rstrip().endswith(")")  # the whole GPTConfig repr
     assert "precision: fp32 (train.precision auto on cpu)" in lines
     assert "collective timeout: 3 min (run.timeout_minutes)" in lines
+    assert (
+        "schedule: 20 warm-up steps to lr 0.003, then cosine decay to 0.0003 by step 300" in lines
+    )
 
 
 def _token_file(prefix: Path, vocab: int, ids: list[int], header_vocab: int | None = None) -> None:

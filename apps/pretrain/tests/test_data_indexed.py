@@ -147,3 +147,33 @@ def test_missing_or_mismatched_files_raise_one_sentence(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"token file .*c\.bin does not exist, though its index"):
         IndexedTokenDataset(tmp_path / "c")
     assert all("\n" not in str(c.value) for c in cases)
+
+
+def test_the_vocabulary_check_reads_a_bounded_sample(tmp_path: Path) -> None:
+    """A large file is sampled in evenly spaced windows (first and last included), so an id
+    past the model's vocabulary anywhere in a window is found without reading the file."""
+    from mega_pretrain.data import check_vocab
+    from mega_pretrain.data.indexed import sampled_max_id
+
+    ids = np.full(1_000_000, 7, dtype=np.int64)
+    ids[-1] = 300  # the last window reaches the end of the file
+    with IndexedTokenWriter(tmp_path / "big", vocab_size=301) as writer:
+        writer.add_document(ids)
+    ds = IndexedTokenDataset(tmp_path / "big")
+    reads: list[int] = []
+    original = ds.tokens
+
+    def counted(start: int, length: int) -> np.ndarray:
+        reads.append(length)
+        return original(start, length)
+
+    ds.tokens = counted  # type: ignore[method-assign]
+    assert sampled_max_id(ds, blocks=8, block=100) == 300
+    assert reads == [100] * 8  # 800 of 1,000,000 tokens read
+    check_vocab(tmp_path / "big", 301)  # fits
+    idx = tmp_path / "big.idx"  # a header that understates its ids (another tool's file)
+    raw = bytearray(idx.read_bytes())
+    raw[16:24] = (200).to_bytes(8, "little")
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"holds token id 300, outside the model's vocab_size 257"):
+        check_vocab(tmp_path / "big", 257)

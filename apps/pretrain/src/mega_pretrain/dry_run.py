@@ -31,6 +31,7 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
     config, auto_line = resolve_micro_batch(config, model, world_size, memory)
     layout = check_config(config, model, world_size)
     est = estimate(config, model, layout.dp)
+    t = config.train
     lines = [
         *([auto_line] if auto_line is not None else []),
         "resolved config:",
@@ -38,6 +39,8 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
         f"model: {config.model.size} {model}",
         f"precision: {precision_phrase(config, 'cuda' if cuda else 'cpu')}{how}",
         f"collective timeout: {config.run.timeout_minutes:g} min (run.timeout_minutes)",
+        f"schedule: {t.warmup} warm-up steps to lr {t.lr:g}, then {t.decay} decay to "
+        f"{t.min_lr:g} by step {t.steps}",
         f"world size {world_size}: tp {layout.config.tp}, pp {layout.config.pp}, cp {layout.config.cp}, "
         f"dp {layout.dp}, ep {layout.config.ep}, vpp {layout.config.vpp}",
         f"parameters: {est.total_params / 1e6:,.1f} M total, ~{est.params_per_rank / 1e6:,.1f} M per rank",

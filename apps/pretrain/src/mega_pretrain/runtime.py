@@ -50,16 +50,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_distributed(device: torch.device, timeout: timedelta) -> None:
-    """Initialise the default group: from torchrun's variables, or as a world of one."""
+def start_distributed(device: torch.device, timeout: timedelta) -> bool:
+    """Initialise the default group: from torchrun's variables, or as a world of one; returns
+    whether it was started here (False: the caller's group is used)."""
     if dist.is_initialized():
-        return
+        return False
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
-        return
+        return True
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{_free_port()}",
@@ -67,6 +68,7 @@ def start_distributed(device: torch.device, timeout: timedelta) -> None:
         world_size=1,
         timeout=timeout,
     )
+    return True
 
 
 def resolve_precision(

@@ -58,7 +58,7 @@ from mega_pretrain.runtime import (
     world_size_from_env,
 )
 from mega_pretrain.schedule import lr_at
-from mega_pretrain.signals import StopRequest
+from mega_pretrain.signals import StopRequest, write_run_end
 from mega_pretrain.step import Microbatch, StepRunner
 from mega_pretrain.validate import check_config
 
@@ -128,7 +128,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     config, auto_line = resolve_micro_batch(config, model, world, memory)
     check_config(config, model, world)  # before any process group exists
     timeout = collective_timeout(config.run.timeout_minutes)
-    start_distributed(device, timeout)
+    started = start_distributed(device, timeout)
     groups = init_process_groups(parallel_config(config), timeout=timeout)
     configure_tf32(device, config.train.tf32)
     threads = set_intra_op_threads()
@@ -145,6 +145,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
             "`--train.steps` to continue",
             markup=False,
         )
+        if started:  # nothing ran on the groups; leave no NCCL resources behind
+            dist.destroy_process_group()
         return RunSummary(run_dir, done, done, [], 0.0, None, source)
     if auto_line is not None:
         console.print(auto_line)
@@ -268,6 +270,10 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
             ):
                 saved = save(step, consumed)
         saved = save(step, consumed)
+        if rank0:  # committed: a launcher may trust this, not torchrun's exit code
+            write_run_end(
+                run_dir, stopped_by=stopped_by, step=step, steps=t.steps, checkpoint=saved
+            )
     finally:
         live.__exit__(None, None, None)
         stop.restore()
