@@ -88,6 +88,11 @@ def way_out(path: Path) -> str:
     return "no earlier checkpoint is left, so start fresh with --checkpoint.load none"
 
 
+def _plain_path(name: str) -> bool:
+    parts = name.split("/")
+    return all(p not in ("", ".", "..") for p in parts) and "\\" not in name
+
+
 def _size_check(path: Path) -> str | None:
     """For checkpoints without checksums: every shard at least as long as its index says."""
     ends: dict[str, int] = {}
@@ -117,7 +122,9 @@ def verify_files(path: Path, meta: dict[str, Any], part: tuple[int, int] = (0, 1
         for name in sorted(files)[part[0] :: part[1]]:
             saved = files[name]
             file = path / name
-            if not file.is_file():
+            if not isinstance(saved, dict) or not _plain_path(name):
+                problem = f"{path / META_FILE} holds a malformed record of file {name!r}"
+            elif not file.is_file():
                 problem = f"checkpoint file {file} is missing"
             elif (size := file.stat().st_size) != saved.get("size"):
                 problem = (
