@@ -53,6 +53,7 @@ def test_sigterm_to_torchrun_saves_and_the_next_run_resumes(tmp_path: Path) -> N
         watchdog.start()
         try:
             assert proc.stdout is not None
+            line = ""
             for line in proc.stdout:
                 if line.startswith("step") and "loss" in line:  # a step is trained
                     proc.send_signal(signal.SIGTERM)  # to torchrun only: it forwards it
@@ -62,7 +63,9 @@ def test_sigterm_to_torchrun_saves_and_the_next_run_resumes(tmp_path: Path) -> N
         finally:
             watchdog.cancel()
     log = out + (tmp_path / "torchrun.err").read_text()
-    # torchrun exits 1 after a signal, whatever its workers did: the run folder decides
+    # torchrun exits 1 after a signal (SignalException), whatever its workers did: the run
+    # folder decides
+    assert proc.returncode == 1, log
     assert "stopped by SIGTERM" in out, log
     code, said = _exit_status(run_dir)
     assert code == 10, said + log
