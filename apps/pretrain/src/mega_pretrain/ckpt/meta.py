@@ -4,7 +4,8 @@ A checkpoint is a folder ``<run_dir>/checkpoints/step_<step:08d>`` with
 
 * ``meta.json``: the step, the trainer state, the layout it was saved at, and for every
   parameter (by its chunk-independent path, global layer indices) the full shape without
-  vocabulary padding, how it was split and the keys of its optimizer pieces;
+  vocabulary padding, how it was split and the keys of its optimizer pieces; and the
+  ``size`` and ``crc32`` of every other file (``files``, absent in older checkpoints);
 * torch.distributed.checkpoint files (``.metadata``, ``__<rank>_0.distcp``) with the tensors
   keyed ``model/<path>`` (replicated over tp), ``model/<path>/tp<r>of<n>`` (a tp shard) and
   ``optim/<path>[/tp<r>of<n>]/<start>-<end>/<field>`` (a dp rank's piece of the flattened
