@@ -16,7 +16,6 @@ import argparse
 import gc
 import json
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ from torch import Tensor
 from mega_parallel_grid import init_process_groups
 from mega_pretrain.build import build, gpt_config, parallel_config
 from mega_pretrain.config import load_config
-from mega_pretrain.runtime import start_distributed
+from mega_pretrain.runtime import collective_timeout, start_distributed
 from mega_pretrain.step import StepRunner
 
 
@@ -93,7 +92,7 @@ def main() -> None:
         a.size, a.mb, a.seq = "tiny", 2, 64
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    start_distributed(device, timedelta(minutes=10))
+    start_distributed(device, collective_timeout(10))
     vocab = gpt_config(load_config(None, [("model.size", a.size)])).vocab_size
     tokens = torch.randint(0, vocab, (a.mb, a.seq + 1), generator=torch.Generator().manual_seed(7))
     tokens = tokens.to(device)

@@ -27,7 +27,7 @@ from mega_models import model_flops_per_token
 from mega_parallel_grid import init_process_groups
 from mega_pretrain.build import build, gpt_config, parallel_config, param_dtype
 from mega_pretrain.config import load_config
-from mega_pretrain.runtime import start_distributed
+from mega_pretrain.runtime import collective_timeout, start_distributed
 from mega_pretrain.step import StepRunner
 
 
@@ -63,9 +63,7 @@ def main() -> None:
         if cuda
         else torch.device("cpu")
     )
-    from datetime import timedelta
-
-    start_distributed(device, timedelta(minutes=10))
+    start_distributed(device, collective_timeout(10))
     world = dist.get_world_size()
     dp = world // (args.tp * args.pp)
     overrides = [

@@ -224,6 +224,22 @@ def test_a_finished_run_is_left_alone(dist_pool: DistPool, tmp_path: Path) -> No
     assert any("tfevents" in name for name in before)
 
 
+def _rerun_without_end_marker(out_dir: str) -> str:
+    extra = [("train.steps", "2"), ("train.eval_interval", "0")]
+    _train(out_dir, "requeued", extra)
+    end = Path(out_dir) / "requeued" / "run_end"
+    end.unlink()  # what a job script does before each attempt
+    _printed(out_dir, "requeued", extra)
+    return end.read_text()
+
+
+def test_a_requeued_finished_run_records_its_end(dist_pool: DistPool, tmp_path: Path) -> None:
+    """A job script that removed run_end before an attempt of an already finished run
+    finds it again (state done), so the attempt counts as a success."""
+    text = dist_pool.run(_rerun_without_end_marker, 1, args=(str(tmp_path),))[0]
+    assert "state=done\n" in text and "step=2\n" in text and "checkpoint=step_00000002" in text
+
+
 def _resume_longer(out_dir: str) -> str:
     _train(out_dir, "longer", [("train.exit_interval", "3"), ("train.eval_interval", "0")])
     return _printed(out_dir, "longer", [("train.steps", "12"), ("train.eval_interval", "0")])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,12 @@ from mega_parallel_grid import init_process_groups
 from mega_pretrain.build import build, gpt_config, parallel_config
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mega_pretrain.config import TrainerConfig, config_to_dict, load_config
-from mega_pretrain.runtime import pick_device, start_distributed, world_size_from_env
+from mega_pretrain.runtime import (
+    collective_timeout,
+    pick_device,
+    start_distributed,
+    world_size_from_env,
+)
 from mega_pretrain.validate import check_config
 
 __all__ = ["from_hf", "to_hf"]
@@ -54,8 +58,9 @@ def _toml_value(value: Any) -> str:
 def _start(config: TrainerConfig) -> tuple[Any, torch.device]:
     check_config(config, gpt_config(config), world_size_from_env())
     device = pick_device(config.run.device)
-    start_distributed(device, timedelta(minutes=10))
-    return init_process_groups(parallel_config(config)), device
+    timeout = collective_timeout(config.run.timeout_minutes)
+    start_distributed(device, timeout)
+    return init_process_groups(parallel_config(config), timeout=timeout), device
 
 
 def from_hf(hf_dir: Path, run_dir: Path, overrides: list[tuple[str, str]]) -> Path:

@@ -58,7 +58,7 @@ from mega_pretrain.runtime import (
     world_size_from_env,
 )
 from mega_pretrain.schedule import lr_at
-from mega_pretrain.signals import StopRequest, write_run_end
+from mega_pretrain.signals import RUN_END_FILE, StopRequest, write_run_end
 from mega_pretrain.step import Microbatch, StepRunner
 from mega_pretrain.validate import check_config
 
@@ -145,6 +145,9 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
             "`--train.steps` to continue",
             markup=False,
         )
+        end = run_dir / RUN_END_FILE
+        if rank0 and source is not None and not end.exists():  # a job script reads it
+            write_run_end(run_dir, stopped_by=None, step=done, steps=t.steps, checkpoint=source)
         if started:  # nothing ran on the groups; leave no NCCL resources behind
             dist.destroy_process_group()
         return RunSummary(run_dir, done, done, [], 0.0, None, source)
