@@ -10,8 +10,9 @@ Each command runs with its own timeout (one failure or OOM does not stop the res
 output goes to ``$OUT/<suite>.log`` (``--out DIR`` or $OUT, default /tmp/bench_out) and
 its JSON result line to ``$OUT/results.jsonl``. The last thing printed is the table of
 ``bench/side_by_side.py`` over that folder, then one line per command with its status.
-The peers' scripts are read from ``anchors/`` (a copy of the shared anchors folder,
-ignored by git, carried to the device).
+The peers are the project's own (``bench/peers/``: the plain-PyTorch reference, the
+megatron-core driver, the matmul ceiling); megatron-core travels as a wheel (see
+``bench/RESULTS.md``), and its lines fail alone where it is missing.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ ROOT = Path(__file__).resolve().parent.parent
 Suite = list[tuple[str, int, str]]
 
 _STEP = "python3 bench/mega_step.py"
+_TORCH = "python3 bench/peers/torch_ref.py"
+_CEILING = "python3 bench/peers/ceiling.py"
 _TRAIN = (
     "python3 -m mega_pretrain --train.compile true --train.steps 12 --train.log_interval 4 "
     "--train.eval_interval 0 --checkpoint.save_interval 0 --run.out_dir /tmp/runs"
 )
 
 SUITES: dict[str, Suite] = {
-    "ceiling": [("ceiling", 60, "python3 anchors/ceiling.py")],
+    "ceiling": [("ceiling", 60, _CEILING)],
     "families": [
         ("moe-2b compile", 240, f"{_STEP} --size moe-2b --mb 4 --compile"),
         ("deepseek-3b compile", 240, f"{_STEP} --size deepseek-3b --mb 4 --compile"),
@@ -53,11 +56,16 @@ SUITES: dict[str, Suite] = {
         ("deepseek-3b compile", 240, f"{_STEP} --size deepseek-3b --mb 4 --compile"),
     ],
     "single": [
+        ("ceiling", 60, _CEILING),
         ("mega compile", 180, f"{_STEP} --size 1b-bench --mb 8 --compile"),
         ("mega eager", 150, f"{_STEP} --size 1b-bench --mb 8"),
-        ("torch compile", 180, "python3 anchors/torch_ref.py --mb 8 --compile"),
-        ("torch bf16 compile", 180, "python3 anchors/torch_ref.py --mb 8 --compile --precision bf16"),
-        ("torch eager", 150, "python3 anchors/torch_ref.py --mb 8"),
+        ("torch compile", 180, f"{_TORCH} --mb 8 --compile"),
+        ("torch bf16 compile", 180, f"{_TORCH} --mb 8 --compile --precision bf16"),
+        ("torch eager", 150, f"{_TORCH} --mb 8"),
+    ],
+    "peers": [
+        ("mcore as shipped", 150, "python3 bench/peers/mcore.py --mb 4"),
+        ("mcore sdpa fused", 150, "python3 bench/peers/mcore.py --mb 8 --sdpa --fused-adam"),
     ],
     "fp8": [
         ("mega compile", 180, f"{_STEP} --size 1b-bench --mb 8 --compile"),

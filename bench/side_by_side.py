@@ -3,7 +3,7 @@
     python3 bench/side_by_side.py [DIR]        # DIR (default $OUT) holds results.jsonl, ceiling.json
 
 Reads the JSON lines that bench/mega_step.py and the anchors' scripts (torch_ref.py,
-mcore_bench.py) append to ``results.jsonl`` and the matmul ceiling that anchors/ceiling.py
+bench/peers/mcore.py) append to ``results.jsonl`` and the matmul ceiling that bench/peers/ceiling.py
 writes. Per GPU: tokens/s, step ms (median), peak GiB allocated, MFU against the measured
 ceiling and against the 989 TFLOP/s datasheet figure, and each line's ratio to mega's line
 of the same compile mode and world size.
@@ -27,6 +27,8 @@ def name(r: dict[str, Any]) -> str:
     mode = {True: "compile", False: "eager"}.get(r.get("compile"), "")
     if system.startswith("mega-"):
         system, mode = "mega", system.removeprefix("mega-")
+    if r.get("precision") == "bf16":
+        mode += " bf16+fp32 master"
     layout = "".join(f" {k}{r[k]}" for k in ("tp", "pp", "dp") if int(r.get(k, 1)) > 1)
     return f"{system} {mode}{layout}".strip()
 
