@@ -27,7 +27,7 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
     ("args", "message"),
     [
         (["--train.lr", "fast"], "train.lr ('fast') must be a number"),
-        (["--train.bogus", "1"], "unknown setting 'train.bogus'"),
+        (["--train.bogus", "1"], "unknown setting train.bogus; the settings of [train] are"),
         (["--model.size", "huge"], "unknown model size 'huge'"),
         (
             ["--tp", "3", "--world-size", "4"],

@@ -1,4 +1,4 @@
-"""``mega-pretrain``: train (default), preprocess, inspect, plot, convert.
+"""``mega-pretrain``: train (default), preprocess, inspect, plot, convert, config.
 
     uv run mega-pretrain                                   # tiny GPT on the stdlib corpus, CPU
     uv run mega-pretrain --config configs/125m.toml --train.lr 3e-4
@@ -9,27 +9,67 @@
     uv run mega-pretrain plot runs/tiny runs/other --output curves.png
     uv run mega-pretrain convert --from-hf llama-dir --to runs/llama [--tp 2 ...]
     uv run mega-pretrain convert --to-hf out-dir --from runs/llama
+    uv run mega-pretrain config --model.size 1b > my.toml    # every setting, as TOML
+    uv run mega-pretrain --help                             # commands and every setting
+    uv run mega-pretrain --version
 
 Every setting of the config can be given as ``--section.field value``; ``--tp/--pp/--cp/
 --ep/--etp/--vpp`` are shortcuts for ``--parallel.*``. Output goes to rank 0 only.
+
+The command line is the standard library's: ``argparse`` for each command's own flags,
+``difflib`` for "did you mean" on a mistyped command or setting, and the settings' help and
+``config``'s TOML generated from the config dataclasses' field docstrings (``config_doc``).
+A CLI framework (click, typer) would add a dependency and a second description of the same
+fields; the dataclasses stay the only one. Help is plain text, one block per field and never
+re-wrapped, so it reads the same on a terminal, in a pipe and in a Slurm log.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from mega_pretrain.errors import TrainingError
 
+if TYPE_CHECKING:
+    from mega_pretrain.config import TrainerConfig
+
 __all__ = ["main"]
 
-_COMMANDS = ("train", "preprocess", "inspect", "plot", "convert")
+#: Each command and its line in ``--help``.
+_COMMANDS = {
+    "train": "train a model from a config file and --SECTION.FIELD settings (the default)",
+    "preprocess": "tokenize text or JSONL files into an indexed token file (PREFIX.bin/.idx)",
+    "inspect": "summarise a checkpoint (step, layout, files; --tensors: every tensor)",
+    "plot": "draw the loss curves of run folders into a PNG",
+    "convert": "import a Hugging Face checkpoint into a run folder, or export one to it",
+    "config": "print every setting with its value and doc as TOML, to start a config file",
+}
+
+_PACKAGES = ("mega-pretrain", "mega-models", "mega-moe", "mega-tp-layers", "mega-pipeline",
+             "mega-zero-optim", "mega-parallel-grid", "torch")  # fmt: skip
 
 
-def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
+def _version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    lines = []
+    for name in _PACKAGES:
+        try:
+            lines.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            lines.append(f"{name} (not installed)")
+    return "\n  ".join(lines) + f"\n  python {sys.version.split()[0]}"
+
+
+def _split_overrides(rest: Sequence[str], options: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """``--section.field value`` pairs, each name checked (a typo names the nearest setting)."""
+    from mega_pretrain.config_doc import check_setting
+
     pairs: list[tuple[str, str]] = []
     items = list(rest)
     i = 0
@@ -37,28 +77,77 @@ def _split_overrides(rest: Sequence[str]) -> list[tuple[str, str]]:
         item = items[i]
         if not item.startswith("--") or len(item) == 2:
             raise ValueError(f"unexpected argument {item!r}; settings look like --train.lr 3e-4")
-        key = item[2:]
-        if "=" in key:
-            key, value = key.split("=", 1)
+        key, has_value, value = item[2:].partition("=")
+        check_setting(_normal(key), options)
+        if has_value:
             i += 1
         else:
             if i + 1 >= len(items):
                 raise ValueError(f"setting --{key} has no value; write --{key} VALUE")
             value = items[i + 1]
             i += 2
-        pairs.append((key.replace("-", "_") if "." not in key else key, value))
+        pairs.append((_normal(key), value))
     return pairs
 
 
-def _train(argv: Sequence[str], console: Console) -> int:
-    parser = argparse.ArgumentParser(prog="mega-pretrain train", add_help=True)
-    parser.add_argument("--config", help="TOML config file")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    parser.add_argument("--world-size", type=int, default=None, help="ranks to plan for (dry run)")
-    args, rest = parser.parse_known_args(argv)
-    from mega_pretrain.config import load_config
+def _normal(key: str) -> str:
+    return key.replace("-", "_") if "." not in key else key
 
-    config = load_config(args.config, _split_overrides(rest))
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return [o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")]
+
+
+def _load(path: str | None, rest: Sequence[str], options: Sequence[str]) -> TrainerConfig:
+    """``load_config`` after every name in the file and the overrides is checked."""
+    import tomllib
+    from pathlib import Path
+
+    from mega_pretrain.config import load_config
+    from mega_pretrain.config_doc import check_file_settings
+
+    overrides = _split_overrides(rest, options)
+    if path is not None and Path(path).is_file():
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError:
+            tree = {}  # load_config says where the file is not valid TOML
+        check_file_settings(tree, f" in {path}")
+    return load_config(path, overrides)
+
+
+def _train_parser(prog: str) -> argparse.ArgumentParser:
+    from mega_pretrain.config_doc import SHORTCUTS, settings_help
+
+    width = max(len(name) for name in _COMMANDS)
+    commands = "\n".join(f"  {name:<{width}}  {line}" for name, line in _COMMANDS.items())
+    shortcuts = "\n".join(f"  --{s:<4} N  = --parallel.{s} N" for s in SHORTCUTS)
+    command = " [COMMAND]" if prog == "mega-pretrain" else ""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage=f"{prog}{command} [--config FILE] [--dry-run] [--world-size N] "
+        "[--SECTION.FIELD VALUE ...]",
+        description=f"Pre-train a model (train is the default command).\n\ncommands (`mega-pretrain "
+        f"COMMAND --help` for one):\n{commands}",
+        epilog=f"shortcuts:\n{shortcuts}\n\n{settings_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML config file; settings override it")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument("--world-size", metavar="N", type=int, default=None,
+                        help="ranks to plan for (dry run)")  # fmt: skip
+    parser.add_argument("--version", action="store_true",
+                        help="the versions of mega-pretrain, the mega packages and torch")  # fmt: skip
+    return parser
+
+
+def _train(argv: Sequence[str], console: Console, prog: str = "mega-pretrain train") -> int:
+    parser = _train_parser(prog)
+    args, rest = parser.parse_known_args(argv)
+    if args.version:
+        print(_version_text())
+        return 0
+    config = _load(args.config, rest, _options(parser))
     if args.dry_run:
         from mega_pretrain.dry_run import dry_run
         from mega_pretrain.runtime import world_size_from_env
@@ -134,7 +223,7 @@ def _convert(argv: Sequence[str], console: Console) -> int:
 
     from mega_pretrain.convert import from_hf, to_hf
 
-    overrides = _split_overrides(rest)
+    overrides = _split_overrides(rest, _options(parser))
     if args.from_hf and args.to:
         console.print(f"wrote {from_hf(Path(args.from_hf), Path(args.to), overrides)}")
     elif args.to_hf and args.source:
@@ -144,17 +233,43 @@ def _convert(argv: Sequence[str], console: Console) -> int:
     return 0
 
 
+def _config(argv: Sequence[str], console: Console) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mega-pretrain config",
+        usage="mega-pretrain config [--config FILE] [--SECTION.FIELD VALUE ...]",
+        description="Print every setting with its resolved value and doc as TOML (the model's "
+        "own fields commented out, with model.size's values); `mega-pretrain --help` lists the "
+        "settings.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML config file; settings override it")
+    args, rest = parser.parse_known_args(argv)
+    from mega_pretrain.config_doc import config_toml
+
+    print(config_toml(_load(args.config, rest, _options(parser))), end="")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mega-pretrain`` command; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     console = Console(soft_wrap=True)  # one line per event, also in piped and Slurm logs
-    command = "train"
-    if args and args[0] in _COMMANDS:
-        command = args.pop(0)
-    handlers = {"train": _train, "preprocess": _preprocess, "inspect": _inspect, "plot": _plot,
-                "convert": _convert}  # fmt: skip
+    if args and not args[0].startswith("-") and args[0] not in _COMMANDS:
+        import difflib
+
+        near = difflib.get_close_matches(args[0], list(_COMMANDS), n=1)
+        hint = f"did you mean {near[0]!r}?" if near else f"the commands are {', '.join(_COMMANDS)}"
+        print(f"error: unknown command {args[0]!r}; {hint}", file=sys.stderr)
+        return 2
+    handlers: dict[str, Callable[[Sequence[str], Console], int]] = {
+        "train": _train, "preprocess": _preprocess, "inspect": _inspect, "plot": _plot,
+        "convert": _convert, "config": _config,
+    }  # fmt: skip
     try:
-        return handlers[command](args, console)
+        if args and args[0] in _COMMANDS:
+            return handlers[args[0]](args[1:], console)
+        return _train(args, console, prog="mega-pretrain")  # the default command
+    except SystemExit as exc:  # argparse's --help (0) and usage errors (2)
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except (ValueError, FileNotFoundError, ImportError) as exc:  # user errors: one sentence
         print(f"error: {exc}", file=sys.stderr)
         return 2
