@@ -110,7 +110,10 @@ def _damage_idx(path: Path, how: str) -> None:
 @pytest.mark.parametrize(
     ("how", "message"),
     [
-        ("magic", r"c\.idx is not a mega token index \(it starts with b'NOTANIDX'\)"),
+        (
+            "magic",
+            r"c\.idx is neither a mega token index nor a Megatron indexed dataset \(it starts with b'NOTANIDX'\)",
+        ),
         ("version", r"c\.idx has format version 9, but this reader knows version 1"),
         ("dtype", r"c\.idx names unknown dtype code 7; it is corrupt"),
         ("truncated", r"c\.idx is truncated: 83 bytes where 2 documents need 88"),

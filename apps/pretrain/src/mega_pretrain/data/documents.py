@@ -26,7 +26,8 @@ class TokenSource(Protocol):
         """Tokens in all documents together."""
 
     @property
-    def vocab_size(self) -> int: ...
+    def vocab_size(self) -> int | None:
+        """The vocabulary the ids were written for; None when the file does not record it."""
 
     @property
     def eod_id(self) -> int | None:
@@ -69,7 +70,7 @@ class DocumentSubset:
         return int(self._offsets[-1])
 
     @property
-    def vocab_size(self) -> int:
+    def vocab_size(self) -> int | None:
         return self.source.vocab_size
 
     @property

@@ -21,6 +21,10 @@ offset bytes field
 Both files are written to temporary names and moved into place with ``os.replace``, ``.bin``
 first; the fingerprint catches an ``.idx`` paired with a ``.bin`` from another run. Reading
 uses numpy only, never pickle.
+
+:class:`IndexedTokenDataset` also reads Megatron-LM's indexed dataset as is: an ``.idx`` that
+begins with Megatron's ``MMIDIDX`` magic is recognised by it (no flag), checked and mapped by
+:mod:`mega_pretrain.data.megatron`, and serves the same documents-and-windows interface.
 """
 
 from __future__ import annotations
@@ -39,12 +43,15 @@ import numpy as np
 import numpy.typing as npt
 
 from mega_pretrain.data.errors import DataError
+from mega_pretrain.data.megatron import MEGATRON_MAGIC, MegatronIndex, read_megatron_index
 
 __all__ = [
     "IndexHeader",
     "IndexedTokenDataset",
     "IndexedTokenWriter",
     "check_vocab",
+    "index_format",
+    "sampled_id_range",
     "sampled_max_id",
     "token_dtype",
 ]
@@ -85,14 +92,17 @@ def _paths(prefix: str | Path) -> tuple[Path, Path]:
 
 @dataclass(frozen=True)
 class IndexHeader:
-    """The fields of an ``.idx`` header."""
+    """The fields of an ``.idx`` header (for a Megatron index: what it records, and
+    ``vocab_size``/``eod_id`` None, ``fingerprint`` empty, since it records neither)."""
 
     dtype: np.dtype[Any]
-    vocab_size: int
+    vocab_size: int | None
     num_docs: int
     num_tokens: int
     eod_id: int | None
     fingerprint: bytes
+    format: str = "mega"
+    """``"mega"`` or ``"megatron"``: which of the two formats the ``.idx`` is in."""
 
 
 class IndexedTokenWriter:
@@ -218,11 +228,38 @@ class IndexedTokenWriter:
             self.abort()
 
 
-def read_header(idx_path: Path) -> IndexHeader:
-    """Read and check an ``.idx`` header (and the file's length); one sentence on failure."""
+def index_format(idx_path: Path) -> str:
+    """``"mega"`` or ``"megatron"``, told by the magic the ``.idx`` begins with (checked before
+    any length, so a short file gets its own format's message); one sentence otherwise."""
     if not idx_path.is_file():
         raise DataError(
             f"index file {idx_path} does not exist; create it with `mega-pretrain preprocess`"
+        )
+    with open(idx_path, "rb") as f:
+        raw = f.read(len(MEGATRON_MAGIC))
+    if raw.startswith(MEGATRON_MAGIC):
+        return "megatron"
+    if raw[: len(MAGIC)] == MAGIC:
+        return "mega"
+    if len(raw) < len(MEGATRON_MAGIC) and (MEGATRON_MAGIC.startswith(raw) or MAGIC.startswith(raw)):
+        raise DataError(
+            f"index file {idx_path} is truncated ({len(raw)} bytes, shorter than its format's "
+            "magic); preprocess the data again"
+        )
+    raise DataError(
+        f"{idx_path} is neither a mega token index nor a Megatron indexed dataset (it starts "
+        f"with {raw[: len(MAGIC)]!r}); give the prefix of files written by `mega-pretrain "
+        "preprocess` or by Megatron-LM's preprocessing"
+    )
+
+
+def read_header(idx_path: Path) -> IndexHeader:
+    """Read and check a mega ``.idx`` header (and the file's length); one sentence on failure.
+    The magic is checked first, so a short file of another format is not called truncated."""
+    if index_format(idx_path) != "mega":
+        raise DataError(
+            f"{idx_path} is a Megatron index, not a mega token index; open it with "
+            "IndexedTokenDataset, which reads both"
         )
     size = idx_path.stat().st_size
     with open(idx_path, "rb") as f:
@@ -232,12 +269,7 @@ def read_header(idx_path: Path) -> IndexHeader:
             f"index file {idx_path} is truncated ({size} bytes, shorter than its "
             f"{HEADER.size}-byte header); preprocess the data again"
         )
-    magic, version, code, vocab, docs, tokens, eod, fingerprint = HEADER.unpack(raw)
-    if magic != MAGIC:
-        raise DataError(
-            f"{idx_path} is not a mega token index (it starts with {magic!r}); "
-            "give the prefix of files written by `mega-pretrain preprocess`"
-        )
+    _, version, code, vocab, docs, tokens, eod, fingerprint = HEADER.unpack(raw)
     if version != VERSION:
         raise DataError(
             f"index file {idx_path} has format version {version}, but this reader knows "
@@ -262,12 +294,17 @@ def read_header(idx_path: Path) -> IndexHeader:
 
 
 class IndexedTokenDataset:
-    """Memory-mapped documents of a ``<prefix>.bin`` / ``<prefix>.idx`` pair.
+    """Memory-mapped documents of a ``<prefix>.bin`` / ``<prefix>.idx`` pair, in mega's
+    format or Megatron-LM's (told by the ``.idx`` magic; ``ds.header.format`` says which).
 
     ``len(ds)`` is the number of documents; ``ds.doc(i)`` one document's ids; ``ds.tokens(start,
     length)`` a window of the concatenation of all documents. Opening checks the header, the
     sizes of both files, the offsets and the fingerprint, and names the file in one sentence
     if anything is wrong. Pickles as its prefix (DataLoader workers re-open the files).
+
+    A Megatron document is a range of sequences; here it is one document holding their tokens
+    in order (see :mod:`mega_pretrain.data.megatron`), ``vocab_size`` and ``eod_id`` are None
+    (the index records neither), and ``ds.megatron`` holds the mapped sequence arrays.
     """
 
     def __init__(self, prefix: str | Path) -> None:
@@ -276,6 +313,10 @@ class IndexedTokenDataset:
     def _open(self, prefix: Path) -> None:
         self.prefix = prefix
         self.bin_path, self.idx_path = _paths(prefix)
+        self.megatron: MegatronIndex | None = None
+        if index_format(self.idx_path) == "megatron":
+            self._open_megatron()
+            return
         self.header = read_header(self.idx_path)
         h, idx, binp = self.header, self.idx_path, self.bin_path
         offsets = np.memmap(idx, dtype="<i8", mode="r", offset=HEADER.size, shape=(h.num_docs + 1,))
@@ -310,6 +351,36 @@ class IndexedTokenDataset:
             else np.empty(0, dtype=h.dtype)  # an empty file cannot be mapped
         )
 
+    def _open_megatron(self) -> None:
+        index = self.megatron = read_megatron_index(self.idx_path)
+        binp, idx = self.bin_path, self.idx_path
+        self.header = IndexHeader(
+            dtype=index.dtype,
+            vocab_size=None,
+            num_docs=index.num_docs,
+            num_tokens=index.num_tokens,
+            eod_id=None,
+            fingerprint=b"",
+            format="megatron",
+        )
+        if not binp.is_file():
+            raise DataError(f"token file {binp} does not exist, though its index {idx} does")
+        nbytes = index.num_tokens * index.dtype.itemsize
+        size = binp.stat().st_size
+        if size != nbytes:
+            state = "shorter than" if size < nbytes else "longer than"
+            raise DataError(
+                f"token file {binp} holds {size} bytes, {state} the {nbytes} its Megatron index "
+                f"{idx} points to ({index.num_tokens} tokens of {index.dtype.name}); the two do "
+                "not belong together, or the .bin was cut short"
+            )
+        self._offsets = index.doc_offsets
+        self._bin = (
+            np.memmap(binp, dtype=index.dtype, mode="r", shape=(index.num_tokens,))
+            if index.num_tokens
+            else np.empty(0, dtype=index.dtype)
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         return {"prefix": self.prefix}
 
@@ -324,7 +395,8 @@ class IndexedTokenDataset:
         return self.header.num_tokens
 
     @property
-    def vocab_size(self) -> int:
+    def vocab_size(self) -> int | None:
+        """The vocabulary the file was written for; None for a Megatron file (not recorded)."""
         return self.header.vocab_size
 
     @property
@@ -351,41 +423,80 @@ class IndexedTokenDataset:
         return np.array(self._bin[start : start + length])
 
     def __repr__(self) -> str:
+        what = "Megatron format" if self.megatron is not None else f"vocab {self.vocab_size}"
         return (
             f"IndexedTokenDataset({str(self.prefix)!r}: {len(self)} documents, "
-            f"{self.num_tokens} tokens, vocab {self.vocab_size})"
+            f"{self.num_tokens} tokens, {what})"
         )
+
+
+def _sampled_windows(ds: IndexedTokenDataset, blocks: int, block: int) -> list[npt.NDArray[Any]]:
+    """``blocks`` evenly spaced windows of ``block`` tokens (first and last included), or the
+    whole file when it is no larger: a bounded read, whatever the file's size."""
+    n = ds.num_tokens
+    if n == 0:
+        return []
+    if n <= blocks * block:
+        return [ds.tokens(0, n)]
+    starts = np.linspace(0, n - block, blocks).astype(np.int64)
+    return [ds.tokens(int(start), block) for start in starts]
+
+
+def sampled_id_range(
+    ds: IndexedTokenDataset, blocks: int = 256, block: int = 1024
+) -> tuple[int, int] | None:
+    """(smallest, largest) id in the windows :func:`sampled_max_id` reads; None when the file
+    holds no token. Raises DataError when a float file's sample holds an id that is not a
+    whole number (Megatron's format allows float dtypes)."""
+    windows = _sampled_windows(ds, blocks, block)
+    if not windows:
+        return None
+    if np.issubdtype(ds.header.dtype, np.floating):
+        for window in windows:
+            bad = window[~np.isfinite(window) | (window != np.round(window))]
+            if bad.size:
+                raise DataError(
+                    f"the token file {ds.bin_path} ({ds.header.dtype.name}) holds {float(bad[0])}, "
+                    "which is not a token id (ids are whole numbers); tokenize the data again"
+                )
+    low = min(int(w.min()) for w in windows)
+    high = max(int(w.max()) for w in windows)
+    return low, high
 
 
 def sampled_max_id(ds: IndexedTokenDataset, blocks: int = 256, block: int = 1024) -> int:
     """The largest id in ``blocks`` evenly spaced windows of ``block`` tokens (all of a small
     file): a bounded read, ``blocks * block`` tokens at most, whatever the file's size; -1 when
     the file holds no token."""
-    n = ds.num_tokens
-    if n == 0:
-        return -1
-    if n <= blocks * block:
-        return int(ds.tokens(0, n).max())
-    starts = np.linspace(0, n - block, blocks).astype(np.int64)
-    return max(int(ds.tokens(int(start), block).max()) for start in starts)
+    found = sampled_id_range(ds, blocks, block)
+    return -1 if found is None else found[1]
 
 
 def check_vocab(prefix: str | Path, vocab_size: int) -> None:
     """Raise DataError (one sentence) when the token file at ``prefix`` holds ids the model's
-    vocabulary (``vocab_size``) has no embedding for: by its header's vocabulary, and, since a
-    header written by another tool may understate it, by the ids of a bounded sample."""
+    vocabulary (``vocab_size``) has no embedding for: by its header's vocabulary (a mega
+    file's; Megatron's index records none), and, since a header written by another tool may
+    understate it, by the ids of a bounded sample (negative ids of a signed dtype included)."""
     ds = IndexedTokenDataset(prefix)
     way_out = (
         "set --model.vocab_size to at least {need}, or preprocess the data with the "
         "model's tokenizer"
     )
-    if ds.vocab_size > vocab_size:
+    if ds.vocab_size is not None and ds.vocab_size > vocab_size:
         raise DataError(
             f"the token file {ds.bin_path} was written for a vocabulary of {ds.vocab_size} "
             f"tokens but the model has vocab_size {vocab_size}; "
             + way_out.format(need=ds.vocab_size)
         )
-    high = sampled_max_id(ds)
+    found = sampled_id_range(ds)
+    if found is None:
+        return
+    low, high = found
+    if low < 0:
+        raise DataError(
+            f"the token file {ds.bin_path} ({ds.header.dtype.name}) holds token id {low}; "
+            "ids are 0 or more, so it was not written by a tokenizer: preprocess the data again"
+        )
     if high >= vocab_size:
         raise DataError(
             f"the token file {ds.bin_path} holds token id {high}, outside the model's "
