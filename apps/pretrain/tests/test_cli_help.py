@@ -104,7 +104,8 @@ def test_version_lists_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
         ("8b.toml", ["--model.num_layers", "8", "--etp", "1", "--parallel.pp_layers", "5,3",
                      "--data.paths", "a/b,c", "--data.weights", "0.25,0.75",
                      "--run.peak_tflops", "989.5", "--run.name", 'say "hi"\\there',
-                     "--train.eps", "1e-12", "--parallel.vpp", "none"]),
+                     "--train.eps", "1e-12", "--parallel.vpp", "none",
+                     "--run.out_dir", "dé\x7fl\ttab"]),
         ("moe-tiny.toml", ["--model.moe_layer_pattern", "-E-E"]),
         ("hybrid-moe-tiny.toml", []),
     ],
@@ -163,6 +164,8 @@ def test_field_docs_follow_the_source() -> None:
 def test_a_mistyped_command_names_the_nearest(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inpsect", "runs/x"]) == 2
     assert capsys.readouterr().err == "error: unknown command 'inpsect'; did you mean 'inspect'?\n"
+    assert main(["configs/8b.toml"]) == 2
+    assert "write --config configs/8b.toml" in capsys.readouterr().err
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'; the commands are train, preprocess" in (
         capsys.readouterr().err

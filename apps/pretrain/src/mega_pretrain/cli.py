@@ -258,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         near = difflib.get_close_matches(args[0], list(_COMMANDS), n=1)
         hint = f"did you mean {near[0]!r}?" if near else f"the commands are {', '.join(_COMMANDS)}"
+        if args[0].endswith(".toml"):  # a config file given without --config
+            hint = f"to train from a config file, write --config {args[0]}"
         print(f"error: unknown command {args[0]!r}; {hint}", file=sys.stderr)
         return 2
     handlers: dict[str, Callable[[Sequence[str], Console], int]] = {
@@ -269,7 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return handlers[args[0]](args[1:], console)
         return _train(args, console, prog="mega-pretrain")  # the default command
     except SystemExit as exc:  # argparse's --help (0) and usage errors (2)
-        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if isinstance(exc.code, int) or exc.code is None:
+            return exc.code or 0
+        print(f"error: {exc.code}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError, ImportError) as exc:  # user errors: one sentence
         print(f"error: {exc}", file=sys.stderr)
         return 2
