@@ -15,6 +15,7 @@ from mega_pretrain.build import gpt_config
 from mega_pretrain.cli import main
 from mega_pretrain.config import TrainerConfig, load_config
 from mega_pretrain.estimate import estimate
+from mega_pretrain.plan import plan_for
 
 GIB = 2**30
 
@@ -25,9 +26,9 @@ def _config(*pairs: tuple[str, str]) -> TrainerConfig:
     return load_config(None, [*base, *pairs])
 
 
-def _need(config: TrainerConfig, micro: int, dp: int) -> float:
+def _need(config: TrainerConfig, micro: int, world_size: int) -> float:
     trial = replace(config, train=replace(config.train, micro_batch_size=micro))
-    return float(estimate(trial, gpt_config(config), dp).total)
+    return float(estimate(plan_for(trial, world_size)).total)
 
 
 def test_an_explicit_micro_batch_is_kept() -> None:

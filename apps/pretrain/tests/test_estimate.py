@@ -24,7 +24,7 @@ def _counts(size: str, layout: tuple[tuple[str, str], ...]) -> tuple[int, int, i
     built = build(config, groups, rank_device())
     params = [p for c in built.chunks for p in c.parameters()]
     experts = sum(p.numel() for p in params if expert_shard(p))
-    est = estimate(config, model, plan.dp)
+    est = estimate(plan)
     etp = config.parallel.etp or config.parallel.tp
     moe_layers = len(model.moe_layers) if model.is_moe else 0
     per_expert = 3 * model.hidden_size * model.moe_ffn_size if model.is_moe else 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mega_models import GPTConfig
-from mega_parallel_grid import ParallelConfig, RankLayout
 from mega_pretrain.config import TrainerConfig
 from mega_pretrain.estimate import estimate
+from mega_pretrain.plan import plan_for
 
 __all__ = ["HEADROOM", "resolve_micro_batch"]
 
@@ -44,10 +44,8 @@ def resolve_micro_batch(
             "train.micro_batch_size 0 (auto) needs the device's memory, and there is no GPU; "
             "set run.memory_gib or a micro_batch_size"
         )
-    layout = RankLayout(
-        world_size, ParallelConfig(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp)
-    )
-    dp = layout.dp
+    plan = plan_for(config, world_size, model)
+    dp = plan.dp
     if t.global_batch_size < dp or t.global_batch_size % dp:
         raise ValueError(
             f"train.global_batch_size ({t.global_batch_size}) is not divisible by dp ({dp}); "
@@ -60,7 +58,7 @@ def resolve_micro_batch(
     smallest = None
     for micro in candidates:
         trial = replace(config, train=replace(t, micro_batch_size=micro))
-        need = estimate(trial, model, dp).total
+        need = estimate(replace(plan, config=trial)).total
         smallest = need
         if need <= HEADROOM * budget:
             line = (

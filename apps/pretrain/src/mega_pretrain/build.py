@@ -2,45 +2,31 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from mega_models import (
-    HYBRID_SIZES,
-    GPTConfig,
-    GPTModel,
-    HybridConfig,
-    HybridModel,
-    hybrid_config,
-    hybrid_flops_per_token,
-    lm_head,
-    model_config,
-    model_flops_per_token,
-    stage_spec,
-)
+from mega_models import GPTConfig, lm_head, stage_spec
+from mega_models.families import ModelChunk
+from mega_models.spec import spec_for
 from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 from mega_pretrain.config import TrainConfig, TrainerConfig
+from mega_pretrain.plan import resolve_model_config
 from mega_pretrain.runtime import resolve_precision
-from mega_tp_layers import Fp8Recipe, RNGStatesTracker, tp_rng_tracker
+from mega_tp_layers import RNGStatesTracker, tp_rng_tracker
 from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, DynamicLossScaler
 
 __all__ = [
     "Built",
     "ModelChunk",
     "build",
-    "flops_per_token",
     "gpt_config",
     "parallel_config",
     "param_dtype",
 ]
-
-#: One pipeline chunk of a GPT or of a hybrid (Mamba + attention) model.
-ModelChunk = GPTModel | HybridModel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,54 +52,15 @@ class Built:
 
 
 def parallel_config(config: TrainerConfig) -> ParallelConfig:
-    p = config.parallel
-    return ParallelConfig(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp)
+    """The config's parallel degrees as a ParallelConfig (``config.parallel.parallel_config()``)."""
+    return config.parallel.parallel_config()
 
 
 def gpt_config(config: TrainerConfig) -> GPTConfig:
-    """The registered size with the config's overrides applied.
-
-    A hybrid size gives a HybridConfig (its pattern may be overridden; the layer count follows
-    the pattern). A GPT size with ``model.pattern`` gives the hybrid of *that size's*
-    dimensions (vocabulary, hidden, heads, FFN, sequence length, layer count, ...), its Mamba
-    settings those of the registered hybrid of the same hidden size (else HybridConfig's
-    defaults), any of them overridable. The pattern must have one letter per layer of the
-    size (or of ``model.num_layers`` when given); otherwise it is refused in one sentence,
-    never shrunk to another size's dimensions.
-    """
-    size, overrides = config.model.size, dict(config.model.overrides)
-    if size in HYBRID_SIZES:
-        return hybrid_config(size).replace(**overrides)
-    base = model_config(size)
-    if "pattern" not in overrides:
-        return base.replace(**overrides)
-    pattern = overrides["pattern"]
-    layers = overrides.get("num_layers", base.num_layers)
-    if isinstance(pattern, str) and len(pattern) != layers:
-        where = "model.num_layers" if "num_layers" in overrides else f"model.size {size}"
-        raise ValueError(
-            f"model.pattern {pattern!r} has {len(pattern)} layers but {where} has {layers}; "
-            f"give a pattern of {layers} letters, set --model.num_layers {len(pattern)}, or "
-            f"choose a hybrid size ({', '.join(HYBRID_SIZES)})"
-        )
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-    mamba = next((h for h in HYBRID_SIZES.values() if h.hidden_size == base.hidden_size), None)
-    if mamba is not None:
-        fields.update({k: getattr(mamba, k) for k in _MAMBA_FIELDS})
-    fields.update(overrides)
-    return HybridConfig(**fields)
-
-
-#: HybridConfig's Mamba-2 settings, taken from a registered hybrid of the same width.
-_MAMBA_FIELDS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_expand",
-                 "mamba_conv_width", "mamba_chunk_size")  # fmt: skip
-
-
-def flops_per_token(model: GPTConfig, seq_len: int) -> float:
-    """Model FLOPs per token (forward + backward) of the model as built, for MFU."""
-    if isinstance(model, HybridConfig):
-        return hybrid_flops_per_token(model, seq_len)
-    return model_flops_per_token(model, seq_len)
+    """The registered size with the config's overrides applied, of whichever family
+    (:func:`mega_models.spec.resolve_model`: a GPT size given ``model.pattern`` becomes the
+    hybrid of that size's dimensions)."""
+    return resolve_model_config(config)
 
 
 def param_dtype(config: TrainerConfig, device: torch.device | None = None) -> torch.dtype:
@@ -131,22 +78,16 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         "sequence_parallel": p.sequence_parallel, "recompute": t.recompute, "seed": t.seed,
         "rng": rng, "device": device, "dtype": param_dtype(config, device),
     }  # fmt: skip
+    spec = spec_for(model)
     chunks: list[ModelChunk] = []
     for index in range(vpp or 1):
         split = p.pp_layers or None  # None: an even split
         stage = stage_spec(model.num_layers, pp, groups.rank("pp"), vpp, index, split)
-        if isinstance(model, HybridConfig):
-            if t.fp8:
-                raise ValueError(
-                    "train.fp8 is supported for GPT models only, not hybrid (Mamba) ones; "
-                    "turn fp8 off or choose a GPT size"
-                )
-            chunks.append(HybridModel(model, groups, stage=stage, **kwargs))
-        else:
-            chunks.append(GPTModel(
-                model, groups, stage=stage, cp_method=p.cp_method,
-                fp8=Fp8Recipe() if t.fp8 else None, tp_comm_overlap=p.tp_comm_overlap, **kwargs,
-            ))  # fmt: skip
+        chunk = spec.build(
+            model, groups, stage, cp_method=p.cp_method, fp8=t.fp8,
+            tp_comm_overlap=p.tp_comm_overlap, **kwargs,
+        )  # fmt: skip
+        chunks.append(cast(ModelChunk, chunk))
     if t.compile:
         for chunk in chunks:
             for layer in chunk.layers.values():

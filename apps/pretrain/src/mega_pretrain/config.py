@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from mega_parallel_grid import ParallelConfig
+
 __all__ = ["CheckpointConfig", "DataConfig", "ModelSection", "ParallelSection", "RunConfig",
            "TrainConfig", "TrainerConfig", "config_to_dict", "load_config"]  # fmt: skip
 
@@ -64,6 +66,11 @@ class ParallelSection:
     """All-gather updated parameters during the next forward (distributed optimizer)."""
     bucket_size: int = 40_000_000
     """Gradient bucket size in elements."""
+
+    def parallel_config(self) -> ParallelConfig:
+        """The degrees as mega-parallel-grid's ParallelConfig (validated there)."""
+        return ParallelConfig(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
+                              vpp=self.vpp)  # fmt: skip
 
 
 @dataclass(frozen=True)

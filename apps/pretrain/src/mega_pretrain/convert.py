@@ -21,16 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mega_models import (
-    GPTModel,
-    gather_full_state,
-    gpt_config_from_hf,
-    load_hf_weights,
-    save_hf_checkpoint,
-)
-from mega_models.hf import check_base_config, copy_side_files
+from mega_models.hf import copy_side_files
+from mega_models.spec import HFAdapter, hf_spec, spec_for
 from mega_parallel_grid import init_process_groups
-from mega_pretrain.build import build, gpt_config, parallel_config
+from mega_pretrain.build import build, gpt_config
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mega_pretrain.config import TrainerConfig, config_to_dict, load_config
 from mega_pretrain.runtime import (
@@ -56,11 +50,22 @@ def _toml_value(value: Any) -> str:
 
 
 def _start(config: TrainerConfig) -> tuple[Any, torch.device]:
-    check_config(config, gpt_config(config), world_size_from_env())
+    plan = check_config(config, gpt_config(config), world_size_from_env())
     device = pick_device(config.run.device)
     timeout = collective_timeout(config.run.timeout_minutes)
     start_distributed(device, timeout)
-    return init_process_groups(parallel_config(config), timeout=timeout), device
+    return init_process_groups(plan.parallel, timeout=timeout), device
+
+
+def _adapter(config: TrainerConfig) -> HFAdapter:
+    """The Hugging Face adapter of the config's model family; one sentence if it has none."""
+    spec = spec_for(gpt_config(config))
+    if spec.hf is None:
+        raise ValueError(
+            f"only GPT (Llama-family) models convert to Hugging Face; this run is a "
+            f"{spec.title or spec.name} model, whose family has no Hugging Face adapter"
+        )
+    return spec.hf
 
 
 def from_hf(hf_dir: Path, run_dir: Path, overrides: list[tuple[str, str]]) -> Path:
@@ -69,7 +74,9 @@ def from_hf(hf_dir: Path, run_dir: Path, overrides: list[tuple[str, str]]) -> Pa
     Also writes ``run_dir/model.toml``: a config whose ``[model]`` is the imported shape and
     whose ``[run]`` points at ``run_dir``, so ``mega-pretrain --config`` continues from it.
     """
-    shape = gpt_config_from_hf(hf_dir)
+    hf = hf_spec(hf_dir).hf
+    assert hf is not None  # hf_spec returns a family with an adapter
+    shape = hf.config_from_hf(hf_dir)
     fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
     run = [("run.out_dir", str(run_dir.parent)), ("run.name", run_dir.name)]
     model = [(f"model.{k}", _toml_value(v).strip('"')) for k, v in fields.items() if v is not None]
@@ -77,8 +84,7 @@ def from_hf(hf_dir: Path, run_dir: Path, overrides: list[tuple[str, str]]) -> Pa
     groups, device = _start(config)
     built = build(config, groups, device)
     for chunk in built.chunks:
-        assert isinstance(chunk, GPTModel)  # the bridge maps GPT (Llama-family) models
-        load_hf_weights(chunk, hf_dir)
+        hf.load_weights(chunk, hf_dir)
     built.optimizer.reload_model_params()
     state = {
         "step": 0,
@@ -133,22 +139,18 @@ def to_hf(run_or_checkpoint: Path, out_dir: Path, overrides: list[tuple[str, str
     config = load_config(None, [("model.size", saved["model"]["size"]), *model, *overrides])
     kept = _run_dir(source) / KEPT_DIR
     base = kept / "config.json" if (kept / "config.json").is_file() else None
-    if base is not None:  # on every rank, before any collective
-        check_base_config(
+    hf = _adapter(config)  # on every rank, before any collective
+    if base is not None:
+        hf.check_base_config(
             gpt_config(config), base, f"delete {kept} to export without the imported config"
         )
     groups, device = _start(config)
     built = build(config, groups, device)
     load_checkpoint(source, built, groups)
-    chunks = [c for c in built.chunks if isinstance(c, GPTModel)]
-    if len(chunks) != len(built.chunks):
-        raise ValueError(
-            "only GPT (Llama-family) models convert to Hugging Face; this run is a hybrid model"
-        )
-    state = gather_full_state(chunks, groups.pp)
+    state = hf.gather_state(built.chunks, groups.pp)
     if dist.get_rank() == 0 and groups.rank("dp") == 0:
         assert state is not None
-        save_hf_checkpoint(state, out_dir, config=gpt_config(config), base_config=base)
+        hf.save(state, out_dir, config=gpt_config(config), base_config=base)
         copy_side_files(kept, out_dir, skip=("config.json",))
     dist.barrier()
     return out_dir

@@ -29,8 +29,8 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
     how = f" (train.precision auto on {'cuda' if cuda else 'cpu'})" if asked == "auto" else ""
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else None
     config, auto_line = resolve_micro_batch(config, model, world_size, memory)
-    layout = check_config(config, model, world_size)
-    est = estimate(config, model, layout.dp)
+    plan = check_config(config, model, world_size)
+    est = estimate(plan)
     t = config.train
     lines = [
         *([auto_line] if auto_line is not None else []),
@@ -41,8 +41,7 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
         f"collective timeout: {config.run.timeout_minutes:g} min (run.timeout_minutes)",
         f"schedule: {t.warmup} warm-up steps to lr {t.lr:g}, then {t.decay} decay to "
         f"{t.min_lr:g} by step {t.steps}",
-        f"world size {world_size}: tp {layout.config.tp}, pp {layout.config.pp}, cp {layout.config.cp}, "
-        f"dp {layout.dp}, ep {layout.config.ep}, vpp {layout.config.vpp}",
+        *plan.describe(),
         f"parameters: {est.total_params / 1e6:,.1f} M total, ~{est.params_per_rank / 1e6:,.1f} M per rank",
         f"FLOPs per token (fwd+bwd): {est.flops_per_token / 1e9:.3f} GFLOP",
         "memory per rank (estimate, busiest stage):",
@@ -52,6 +51,6 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
         f"  activations {_gib(est.activations)}",
         f"  total       {_gib(est.total)}",
         "rank layout:",
-        layout.table() if world_size <= 64 else f"({world_size} ranks; table omitted)",
+        plan.layout.table() if world_size <= 64 else f"({world_size} ranks; table omitted)",
     ]
     return "\n".join(lines)

@@ -14,15 +14,13 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mega_models import GPTConfig, GPTModel, HybridModel
+from mega_models import GPTConfig
 from mega_parallel_grid import init_process_groups
 from mega_pretrain.auto_batch import resolve_micro_batch
 from mega_pretrain.build import (
     apply_optimizer_settings,
     build,
-    flops_per_token,
     gpt_config,
-    parallel_config,
     param_dtype,
 )
 from mega_pretrain.checkpoint import (
@@ -126,10 +124,10 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     )
     config, auto_line = resolve_micro_batch(config, model, world, memory)
-    check_config(config, model, world)  # before any process group exists
+    plan = check_config(config, model, world)  # before any process group exists
     timeout = collective_timeout(config.run.timeout_minutes)
     started = start_distributed(device, timeout)
-    groups = init_process_groups(parallel_config(config), timeout=timeout)
+    groups = init_process_groups(plan.parallel, timeout=timeout)
     configure_tf32(device, config.train.tf32)
     threads = set_intra_op_threads()
     rank0 = dist.get_rank() == 0
@@ -156,8 +154,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2))
-    dp, dp_rank = groups.size("dp"), groups.rank("dp")
-    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    dp, dp_rank = plan.dp, groups.rank("dp")
     train_set, valid_set = _datasets(config, model, t.steps * t.global_batch_size)
     torch.manual_seed(t.seed)
     built = build(config, groups, device)
@@ -184,8 +181,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
         DistributedBatchSampler(len(train_set), consumed, t.micro_batch_size, dp_rank, dp)
     )
     peak = peak_tflops(device, config.run.peak_tflops)
-    flops_token = flops_per_token(model, t.seq_len)
-    tokens_per_step = t.global_batch_size * t.seq_len
+    flops_token = plan.flops_per_token()
+    tokens_per_step = plan.tokens_per_step
     first_step, losses, stopped_by, saved = step, [], None, None
     console.print(
         f"[bold]mega-pretrain[/bold] {config.model.size} on {world} rank(s) "
@@ -206,7 +203,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
         while step < t.steps:
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup,
                        total_steps=t.steps, decay=t.decay, wsd_decay_fraction=t.wsd_decay_fraction)  # fmt: skip
-            batches = _microbatches(train_set, sampler, microbatches)
+            batches = _microbatches(train_set, sampler, plan.microbatches)
             skipped = False
             try:
                 loss, result = runner.train_step(batches, lr)
@@ -238,8 +235,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                     record["mfu"] = tflops / peak
                 if device.type == "cuda":
                     record["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                model_chunks = [c for c in built.chunks if isinstance(c, (GPTModel, HybridModel))]
-                record.update(moe_log_values(model_chunks, groups))  # collective; {} when dense
+                record.update(moe_log_values(built.chunks, groups))  # collective; {} when dense
                 metrics.log(step, record)
                 losses.append(value)
                 eta = (t.steps - step) * elapsed / window_steps

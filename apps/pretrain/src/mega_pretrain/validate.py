@@ -4,27 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mega_models import GPTConfig, HybridConfig
-from mega_parallel_grid import ParallelConfig, RankLayout
+from mega_models import GPTConfig
 from mega_pretrain.config import TrainerConfig
 from mega_pretrain.data import check_vocab
+from mega_pretrain.plan import Plan, plan_for
 from mega_pretrain.runtime import resolve_precision
 
 __all__ = ["check_config"]
 
-_FP8_HYBRID = (
-    "train.fp8 is supported for GPT models only, not hybrid (Mamba) ones; turn fp8 off "
-    "or choose a GPT size"
-)
 
-
-def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> RankLayout:
-    """Raise ValueError (one sentence naming the values) for any inconsistent setting."""
+def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Plan:
+    """Raise ValueError (one sentence naming the values) for any inconsistent setting;
+    return the run's plan (dp, micro-batches, stage split, ...), checked."""
     p, t = config.parallel, config.train
-    layout = RankLayout(
-        world_size, ParallelConfig(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp)
-    )
-    dp = layout.dp
+    plan = plan_for(config, world_size, model)
+    dp = plan.dp
     for name in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_interval"):
         value = getattr(t, name)
         if value < 1:
@@ -35,7 +29,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             f"micro_batch_size * dp ({t.micro_batch_size} * {dp}); choose a multiple of "
             f"{t.micro_batch_size * dp}"
         )
-    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    microbatches = plan.microbatches
     if p.vpp and microbatches % p.pp:
         raise ValueError(
             f"the interleaved schedule needs micro-batches per step ({microbatches}) to be a "
@@ -53,30 +47,12 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
     if p.sequence_parallel:
         if p.tp == 1:
             raise ValueError("parallel.sequence_parallel needs tp > 1; set --tp or turn it off")
-        if (t.seq_len // p.cp) % p.tp:
+        if plan.local_seq_len % p.tp:
             raise ValueError(
-                f"with sequence parallelism the sequence per cp rank ({t.seq_len // p.cp}) must be "
+                f"with sequence parallelism the sequence per cp rank ({plan.local_seq_len}) must be "
                 f"divisible by tp ({p.tp}); change train.seq_len"
             )
-    for label, count in (
-        ("num_attention_heads", model.num_attention_heads),
-        ("num_query_groups", model.kv_heads),
-    ):
-        if count % p.tp:
-            raise ValueError(
-                f"model.{label} ({count}) is not divisible by tp ({p.tp}); choose tp dividing {count}"
-            )
-    dense_layers = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
-    if dense_layers and model.ffn_size % p.tp:
-        raise ValueError(
-            f"the FFN size (model.ffn_hidden_size, {model.ffn_size}) is not divisible by tp "
-            f"({p.tp}); choose a multiple of {p.tp}"
-        )
-    if isinstance(model, HybridConfig) and model.mamba_num_groups % p.tp:
-        raise ValueError(
-            f"model.mamba_num_groups ({model.mamba_num_groups}) is not divisible by tp "
-            f"({p.tp}); choose tp dividing {model.mamba_num_groups} or more groups"
-        )
+    plan.spec.check_layout(model, plan.layout_request)  # the family's own checks
     precision = resolve_precision(t.precision)
     if t.fp8 and precision != "bf16":
         raise ValueError(
@@ -84,35 +60,11 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             f"{f' (resolved to {precision})' if t.precision != precision else ''}; set "
             "train.precision bf16 or turn fp8 off"
         )
-    if t.fp8 and isinstance(model, HybridConfig):
-        raise ValueError(_FP8_HYBRID)
     if p.tp_comm_overlap and (not p.sequence_parallel or p.tp == 1):
         raise ValueError(
             f"parallel.tp_comm_overlap needs parallel.sequence_parallel true and tp > 1 (got "
             f"sequence_parallel={str(p.sequence_parallel).lower()}, tp={p.tp}); turn it off "
             "or enable sequence parallelism"
-        )
-    if p.tp_comm_overlap and isinstance(model, HybridConfig):
-        raise ValueError(
-            "parallel.tp_comm_overlap is supported for GPT models only, not hybrid (Mamba) "
-            "ones; turn it off or choose a GPT size"
-        )
-    if isinstance(model, HybridConfig) and p.cp > 1:
-        raise ValueError(f"cp ({p.cp}) > 1 is not supported for hybrid (Mamba) models; use cp = 1")
-    stages = p.pp * (p.vpp or 1)
-    if p.pp_layers:
-        counts = list(p.pp_layers)
-        if len(counts) != stages or sum(counts) != model.num_layers or min(counts) < 1:
-            raise ValueError(
-                f"parallel.pp_layers {counts} must give {stages} positive layer counts, one per "
-                f"virtual stage (pp*vpp = {p.pp}*{p.vpp or 1}), adding up to model.num_layers "
-                f"({model.num_layers})"
-            )
-    elif model.num_layers % stages:
-        raise ValueError(
-            f"model.num_layers ({model.num_layers}) is not divisible into pp*vpp "
-            f"({p.pp}*{p.vpp or 1} = {stages}) stages; change the layer count or the sizes, "
-            "or give parallel.pp_layers"
         )
     if p.overlap_param_gather and p.distributed_optimizer and model.tie_embeddings and p.pp > 1:
         raise ValueError(
@@ -120,13 +72,6 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             "the last stage reads the tied embedding outside the module whose forward waits for "
             "its gather; turn overlap_param_gather off or untie the embeddings"
         )
-    if p.ep > 1 and not model.is_moe:
-        raise ValueError(
-            f"ep ({p.ep}) > 1 needs an MoE model; this GPT has no expert layers "
-            "(set model.num_experts, or ep 1)"
-        )
-    if model.is_moe:
-        _check_moe(config, model)
     if t.warmup < 0 or t.lr <= 0 or t.min_lr < 0:
         raise ValueError(
             f"train.lr ({t.lr}), min_lr ({t.min_lr}) and warmup_steps ({t.warmup}) must be positive"
@@ -176,7 +121,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Ra
             f"data.weights has {len(config.data.weights)} entries but data.paths has "
             f"{len(config.data.paths)}; give one weight per path"
         )
-    return layout
+    return plan
 
 
 def _check_optimizer(config: TrainerConfig) -> None:
@@ -200,30 +145,3 @@ def _check_optimizer(config: TrainerConfig) -> None:
         )
     if t.seed < 0:
         raise ValueError(f"train.seed ({t.seed}) must be a non-negative integer")
-
-
-def _check_moe(config: TrainerConfig, model: GPTConfig) -> None:
-    """The MoE layers' sizes against ep, etp and tp."""
-    p, t = config.parallel, config.train
-    etp = p.etp if p.etp is not None else p.tp
-    if model.num_experts % p.ep:
-        raise ValueError(
-            f"model.num_experts ({model.num_experts}) is not divisible by ep ({p.ep}); "
-            f"choose ep dividing {model.num_experts}"
-        )
-    if model.moe_ffn_size % etp:
-        raise ValueError(
-            f"the expert FFN size (model.moe_ffn_hidden_size, {model.moe_ffn_size}) is not "
-            f"divisible by etp ({etp}); choose etp dividing it"
-        )
-    if model.moe_shared_expert_size % p.tp:
-        raise ValueError(
-            f"model.moe_shared_expert_size ({model.moe_shared_expert_size}) is not divisible "
-            f"by tp ({p.tp}); choose a multiple of {p.tp}"
-        )
-    local = t.seq_len // p.cp
-    if p.tp > 1 and not p.sequence_parallel and local % p.tp:
-        raise ValueError(
-            f"MoE layers split each cp rank's sequence ({local} tokens) over tp ({p.tp}); "
-            f"choose train.seq_len so that it is divisible by {p.tp * p.cp}"
-        )

@@ -7,27 +7,32 @@ from mega_moe import moe_activated_params
 
 __all__ = [
     "activated_matmul_params",
+    "attention_params",
+    "ffn_params",
     "forward_flops_per_token",
     "matmul_params",
     "model_flops_per_token",
+    "moe_layer_params",
 ]
 
 
-def _attention_params(config: GPTConfig) -> int:
+def attention_params(config: GPTConfig) -> int:
+    """Matmul weights of one attention layer: the fused QKV and the output projection."""
     h, hd = config.hidden_size, config.head_dim
     qkv = h * (config.num_attention_heads + 2 * config.kv_heads) * hd
     return qkv + config.num_attention_heads * hd * h
 
 
-def _ffn_params(config: GPTConfig, ffn: int) -> int:
+def ffn_params(config: GPTConfig, ffn: int) -> int:
+    """Matmul weights of one MLP of inner width ``ffn`` (gated: three matrices)."""
     return (3 if config.activation == "swiglu" else 2) * config.hidden_size * ffn
 
 
-def _moe_total_params(config: GPTConfig) -> int:
+def moe_layer_params(config: GPTConfig) -> int:
     """Matmul weights of one MoE layer: router, every routed expert, shared experts."""
     h, e = config.hidden_size, config.num_experts
-    routed = e * _ffn_params(config, config.moe_ffn_size)
-    return h * e + routed + _ffn_params(config, config.moe_shared_expert_size)
+    routed = e * ffn_params(config, config.moe_ffn_size)
+    return h * e + routed + ffn_params(config, config.moe_shared_expert_size)
 
 
 def matmul_params(config: GPTConfig) -> int:
@@ -39,10 +44,10 @@ def matmul_params(config: GPTConfig) -> int:
     """
     moe = len(config.moe_layers)
     dense = config.num_layers - moe
-    per_layer = dense * _ffn_params(config, config.ffn_size)
+    per_layer = dense * ffn_params(config, config.ffn_size)
     if moe:
-        per_layer += moe * _moe_total_params(config)
-    attention = config.num_layers * _attention_params(config)
+        per_layer += moe * moe_layer_params(config)
+    attention = config.num_layers * attention_params(config)
     return attention + per_layer + config.hidden_size * config.vocab_size
 
 
@@ -54,7 +59,7 @@ def activated_matmul_params(config: GPTConfig) -> int:
     if moe == 0:
         return total
     activated = moe_activated_params(config.hidden_size, config.moe_config())
-    return total - moe * (_moe_total_params(config) - activated)
+    return total - moe * (moe_layer_params(config) - activated)
 
 
 def forward_flops_per_token(config: GPTConfig, seq_len: int) -> float:

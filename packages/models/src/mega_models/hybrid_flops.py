@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from mega_models.flops import attention_params, ffn_params, moe_layer_params
 from mega_models.hybrid_config import HybridConfig
 from mega_moe import moe_activated_params
 
@@ -13,17 +14,6 @@ __all__ = [
     "hybrid_matmul_params",
     "ssd_flops_per_token",
 ]
-
-
-def _ffn_params(config: HybridConfig, ffn: int) -> int:
-    return (3 if config.activation == "swiglu" else 2) * config.hidden_size * ffn
-
-
-def _moe_params(config: HybridConfig) -> int:
-    """Matmul weights of one ``E`` layer: router, every routed expert, shared experts."""
-    c = config
-    routed = c.num_experts * _ffn_params(c, c.moe_ffn_size)
-    return c.hidden_size * c.num_experts + routed + _ffn_params(c, c.moe_shared_expert_size)
 
 
 def hybrid_matmul_params(config: HybridConfig) -> int:
@@ -39,11 +29,9 @@ def hybrid_matmul_params(config: HybridConfig) -> int:
     h = c.hidden_size
     mamba = h * (2 * c.mamba_inner + 2 * c.mamba_num_groups * c.mamba_state_dim
                  + c.mamba_num_heads) + c.mamba_inner * h  # fmt: skip
-    attention = h * (c.num_attention_heads + 2 * c.kv_heads) * c.head_dim
-    attention += c.num_attention_heads * c.head_dim * h
-    mlp = _ffn_params(c, c.ffn_size)
-    return (c.count("M") * mamba + c.count("*") * attention + c.count("-") * mlp
-            + c.count("E") * _moe_params(c) + h * c.vocab_size)  # fmt: skip
+    return (c.count("M") * mamba + c.count("*") * attention_params(c)
+            + c.count("-") * ffn_params(c, c.ffn_size) + c.count("E") * moe_layer_params(c)
+            + h * c.vocab_size)  # fmt: skip
 
 
 def hybrid_activated_matmul_params(config: HybridConfig) -> int:
@@ -54,7 +42,7 @@ def hybrid_activated_matmul_params(config: HybridConfig) -> int:
     if not c.count("E"):
         return total
     activated = moe_activated_params(c.hidden_size, c.moe_config())
-    return total - c.count("E") * (_moe_params(c) - activated)
+    return total - c.count("E") * (moe_layer_params(c) - activated)
 
 
 def ssd_flops_per_token(config: HybridConfig, seq_len: int) -> float:
