@@ -1,5 +1,5 @@
-"""The data pipeline: tokenizers, the indexed token format, preprocessing, GPT samples, blends,
-train/valid splits and the resumable data-parallel sampler."""
+"""The data pipeline: tokenizers, the indexed token format (and Megatron's, read as is),
+preprocessing, GPT samples, blends, train/valid splits and the resumable data-parallel sampler."""
 
 from mega_pretrain.data.blended import BlendedDataset, blend_order
 from mega_pretrain.data.corpus import default_cache_dir, default_corpus, ensure_default_dataset
@@ -12,6 +12,7 @@ from mega_pretrain.data.indexed import (
     IndexHeader,
     check_vocab,
 )
+from mega_pretrain.data.megatron import MegatronIndex
 from mega_pretrain.data.preprocess import PreprocessStats, find_input_files, preprocess
 from mega_pretrain.data.sampler import DistributedBatchSampler
 from mega_pretrain.data.split import SampleSubset, split_train_valid
@@ -34,6 +35,7 @@ __all__ = [
     "IndexHeader",
     "IndexedTokenDataset",
     "IndexedTokenWriter",
+    "MegatronIndex",
     "PreprocessStats",
     "SampleDataset",
     "SampleSubset",

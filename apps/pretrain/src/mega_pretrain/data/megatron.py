@@ -192,13 +192,14 @@ def _doc_offsets(
 ) -> npt.NDArray[np.int64]:
     """Token offset of each document boundary: the pointer of its first sequence (the end of
     the data for the final boundary and for trailing empty documents)."""
-    out = np.empty(doc_indices.size, dtype=np.int64)
+    out = np.full(doc_indices.size, num_tokens, dtype=np.int64)  # [D]
     seqs = pointers.size
+    if not seqs:
+        return out
     for start in range(0, doc_indices.size, _CHUNK):
-        di = np.asarray(doc_indices[start : start + _CHUNK], dtype=np.int64)
-        inside = di < seqs
-        part = np.full(di.size, num_tokens, dtype=np.int64)
-        if seqs:
-            part[inside] = np.asarray(pointers[di[inside]]) // itemsize
-        out[start : start + di.size] = part
+        raw = np.asarray(doc_indices[start : start + _CHUNK])
+        di = np.minimum(raw, seqs - 1)
+        lo, hi = int(di[0]), int(di[-1]) + 1  # non-decreasing (checked): one contiguous read
+        part = np.asarray(pointers[lo:hi])[di - lo] // itemsize
+        out[start : start + raw.size] = np.where(raw < seqs, part, num_tokens)
     return out
