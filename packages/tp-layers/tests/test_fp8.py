@@ -46,13 +46,13 @@ from mega_tp_layers import (
     fp8_linear_dgrad,
     fp8_linear_forward,
     fp8_linear_wgrad,
-    fp8_quantize,
     init_full,
     param_generator,
     shard_spec,
     shard_tensor,
     sync_sequence_parallel_grads,
 )
+from mega_tp_layers.fp8 import fp8_quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U = {E4M3: 2.0**-4, E5M2: 2.0**-3}  # half an ulp at 1: 2^-(mantissa bits + 1)

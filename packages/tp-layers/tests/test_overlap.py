@@ -45,10 +45,9 @@ from mega_tp_layers import (
     Normal,
     RowParallelLinear,
     column_parallel_linear,
-    ring_all_gather,
-    ring_reduce_scatter,
     shard_tensor,
 )
+from mega_tp_layers.overlap import ring_all_gather, ring_reduce_scatter
 
 SEED = 5
 EMULATE = Fp8Recipe(emulate=True)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from mega_parallel_grid import ParallelConfig, init_process_groups
 from mega_parallel_grid.testing import DistPool, rank_device
-from mega_tp_layers import TP_SEED_OFFSET, RNGStatesTracker, tp_rng_tracker
+from mega_tp_layers import RNGStatesTracker, tp_rng_tracker
+from mega_tp_layers.rng import TP_SEED_OFFSET
 
 SEED = 42
 

@@ -21,8 +21,8 @@ from mega_zero_optim import (
     DistributedDataParallel,
     DistributedOptimizer,
     DynamicLossScaler,
-    counts_in_norm,
 )
+from mega_zero_optim.clip import counts_in_norm
 
 ROWS, COLS, BATCH = 8, 6, 8
 # the longest chain of sums: up to 4 steps of three 8-wide layers forward and back, then

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from mega_zero_optim import Range, bucket_ranges, owned_pieces, pack, shard_of
+from mega_zero_optim import Range, owned_pieces
+from mega_zero_optim.shard_range import bucket_ranges, pack, shard_of
 
 
 def test_pack_lays_tensors_end_to_end() -> None:

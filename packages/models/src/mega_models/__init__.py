@@ -2,6 +2,8 @@
 pp stages, ep; exact FLOPs for MFU; the Hugging Face bridge for Llama-family, Mixtral and
 Qwen2-MoE checkpoints."""
 
+import importlib.metadata
+
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention, zigzag_positions, zigzag_split
 from mega_models.flops import forward_flops_per_token, matmul_params, model_flops_per_token
@@ -30,6 +32,11 @@ from mega_models.registry import MODEL_SIZES, model_config
 from mega_models.ssd import ssd_chunked, ssd_sequential
 from mega_models.stages import StageSpec, stage_spec
 
+try:
+    __version__ = importlib.metadata.version("mega-models")
+except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "HF_ARCHITECTURES",
     "HYBRID_SIZES",
@@ -44,6 +51,7 @@ __all__ = [
     "HybridModel",
     "Mamba2Mixer",
     "StageSpec",
+    "__version__",
     "context_parallel_attention",
     "finalize_model_grads",
     "forward_flops_per_token",

@@ -17,6 +17,7 @@ from mega_models.context_parallel import context_parallel_attention
 from mega_models.norms import Norm
 from mega_models.rng_replay import rng_checkpoint_contexts
 from mega_models.rope import apply_rope
+from mega_parallel_grid import group_size
 from mega_tp_layers import (
     ColumnParallelLinear,
     Fp8Recipe,
@@ -25,7 +26,6 @@ from mega_tp_layers import (
     RowParallelLinear,
     ScaledNormal,
 )
-from mega_tp_layers._comm import group_size
 
 __all__ = ["SelfAttention"]
 

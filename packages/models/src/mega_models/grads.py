@@ -9,28 +9,10 @@ import torch.distributed as dist
 from torch import nn
 
 from mega_parallel_grid import ProcessGroups
-from mega_tp_layers import SEQUENCE_PARALLEL_ATTR
+from mega_tp_layers import SEQUENCE_PARALLEL_ATTR, gradient_of
+from mega_tp_layers import all_reduce_coalesced as _all_reduce_flat
 
 __all__ = ["finalize_model_grads", "gradient_of"]
-
-
-def gradient_of(param: nn.Parameter) -> torch.Tensor | None:
-    """Where ``param``'s gradient lives: ``main_grad`` under mega-zero-optim's DDP, else ``grad``."""
-    main = getattr(param, "main_grad", None)
-    return main if isinstance(main, torch.Tensor) else param.grad
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for g in grads:
-        by_kind.setdefault((g.dtype, g.device), []).append(g)
-    for same in by_kind.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def finalize_model_grads(chunks: nn.Module | Sequence[nn.Module], groups: ProcessGroups) -> None:

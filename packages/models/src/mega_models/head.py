@@ -10,10 +10,10 @@ from torch.distributed import ProcessGroup
 
 from mega_models.config import GPTConfig
 from mega_models.norms import Norm
-from mega_models.replicated import KeepsParamAttrs
 from mega_tp_layers import (
     INIT_ATTR,
     ColumnParallelLinear,
+    KeepsParamAttrs,
     Normal,
     VocabParallelEmbedding,
     column_parallel_linear,

@@ -14,12 +14,13 @@ from torch.utils.checkpoint import checkpoint
 
 from mega_models.hybrid_config import HybridConfig
 from mega_models.norms import Ones
-from mega_models.replicated import KeepsParamAttrs
 from mega_models.ssd import ssd_chunked
+from mega_parallel_grid import group_rank, group_size
 from mega_tp_layers import (
     INIT_ATTR,
     ColumnParallelLinear,
     InitMethod,
+    KeepsParamAttrs,
     Normal,
     RowParallelLinear,
     ScaledNormal,
@@ -28,7 +29,6 @@ from mega_tp_layers import (
     init_parameters,
     set_shard_spec,
 )
-from mega_tp_layers._comm import group_rank, group_size
 
 __all__ = ["ALogInit", "DtBiasInit", "Mamba2Mixer"]
 

@@ -9,8 +9,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from mega_models.replicated import KeepsParamAttrs
-from mega_tp_layers import INIT_ATTR, Zeros, mark_replicated, mark_sequence_parallel
+from mega_tp_layers import (
+    INIT_ATTR,
+    KeepsParamAttrs,
+    Zeros,
+    mark_replicated,
+    mark_sequence_parallel,
+)
 
 __all__ = ["Norm", "Ones"]
 

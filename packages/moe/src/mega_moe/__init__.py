@@ -1,5 +1,7 @@
 """Mixture-of-experts layers: top-k routers, token dispatchers, grouped experts, ep and etp."""
 
+import importlib.metadata
+
 from mega_moe.collect import moe_aux_loss, moe_tokens_per_expert, update_expert_biases
 from mega_moe.config import ACTIVATIONS, DISPATCHERS, EXPERT_IMPLS, MoEConfig, RouterConfig
 from mega_moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher, Dispatched
@@ -10,6 +12,11 @@ from mega_moe.layer import MoELayer
 from mega_moe.recompute import is_recomputing, recomputing
 from mega_moe.router import Routing, RoutingStats, TopKRouter
 from mega_moe.shared import SharedExpertMLP
+
+try:
+    __version__ = importlib.metadata.version("mega-moe")
+except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ACTIVATIONS",
@@ -30,6 +37,7 @@ __all__ = [
     "SequentialMLP",
     "SharedExpertMLP",
     "TopKRouter",
+    "__version__",
     "expert_shard",
     "gather_expert_weight",
     "is_recomputing",

@@ -2,7 +2,8 @@
 
 A group may be None (one rank, no torch.distributed needed); every helper then returns
 its input and issues nothing. Uneven all-gathers and reduce-scatters pad each rank's
-block to the largest one and reuse mega_tp_layers' sequence-parallel mappings.
+block to the largest one and reuse mega_tp_layers' sequence-parallel mappings. ``Group``, ``group_size`` and ``group_rank`` are
+mega_parallel_grid's, re-exported here for the modules of this package.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
+from mega_parallel_grid import Group, group_rank, group_size
 from mega_tp_layers import gather_from_sequence_region, reduce_scatter_to_sequence_region
 
 __all__ = [
@@ -32,18 +34,6 @@ __all__ = [
     "group_size",
     "reduce_scatter_rows",
 ]
-
-Group = ProcessGroup | None
-
-
-def group_size(group: Group) -> int:
-    """Ranks in ``group`` (1 for None)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: Group) -> int:
-    """This process's index in ``group`` (0 for None)."""
-    return 0 if group is None else dist.get_rank(group)
 
 
 def check_group(group: object, name: str, owner: str) -> Group:

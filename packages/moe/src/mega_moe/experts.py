@@ -24,8 +24,14 @@ from mega_moe._comm import Group, check_group, group_rank, group_size
 from mega_moe._gemm import expert_activation, grouped_linear, grouped_mm_available
 from mega_moe.config import Activation, GroupedGemm
 from mega_moe.expert_shard import EXPERT_ATTR, ExpertShard
-from mega_tp_layers import InitMethod, Normal, ShardSpec, init_full
-from mega_tp_layers._params import ShardedModule, creation_generator
+from mega_tp_layers import (
+    InitMethod,
+    Normal,
+    ShardedModule,
+    ShardSpec,
+    creation_generator,
+    init_full,
+)
 
 __all__ = ["GroupedMLP", "SequentialMLP"]
 
@@ -116,9 +122,8 @@ def _layout(
 
 
 def _mark_expert(module: ShardedModule, path: str, shard: ExpertShard) -> None:
-    """Attach ``mega_expert`` to a parameter, and keep it through ``to_empty``."""
+    """Attach ``mega_expert`` to a parameter (``KeepsParamAttrs`` keeps it through ``to_empty``)."""
     setattr(module.get_parameter(path), EXPERT_ATTR, shard)
-    module._mega_attrs[path][EXPERT_ATTR] = shard
 
 
 def _check_tokens(owner: str, x: Tensor, counts: list[int] | Tensor, layout: _Layout) -> None:

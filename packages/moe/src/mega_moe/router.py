@@ -20,8 +20,14 @@ from mega_moe.scores import (
     switch_aux_loss_share,
     z_loss_share,
 )
-from mega_tp_layers import InitMethod, Normal, ShardSpec, copy_to_tp_region
-from mega_tp_layers._params import ShardedModule, creation_generator
+from mega_tp_layers import (
+    InitMethod,
+    Normal,
+    ShardedModule,
+    ShardSpec,
+    copy_to_tp_region,
+    creation_generator,
+)
 
 __all__ = ["Routing", "RoutingStats", "TopKRouter"]
 

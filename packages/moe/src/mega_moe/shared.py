@@ -12,13 +12,14 @@ from mega_moe.config import Activation
 from mega_tp_layers import (
     InitMethod,
     Normal,
+    ShardedModule,
     ShardSpec,
     copy_to_tp_region,
+    creation_generator,
     gather_from_sequence_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
-from mega_tp_layers._params import ShardedModule, creation_generator
 
 __all__ = ["SharedExpertMLP"]
 

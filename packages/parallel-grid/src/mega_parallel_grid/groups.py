@@ -13,7 +13,29 @@ from torch.distributed import ProcessGroup
 from mega_parallel_grid.config import ParallelConfig
 from mega_parallel_grid.layout import RankLayout
 
-__all__ = ["DEFAULT_TIMEOUT", "GROUP_DIMS", "ProcessGroups", "init_process_groups"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "GROUP_DIMS",
+    "Group",
+    "ProcessGroups",
+    "group_rank",
+    "group_size",
+    "init_process_groups",
+]
+
+#: A process group, or None for one rank (no torch.distributed needed).
+Group = ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    """Ranks in ``group`` (1 for None)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This process's index in ``group`` (0 for None)."""
+    return 0 if group is None else dist.get_rank(group)
+
 
 #: Timeout of every collective on the groups unless the caller gives another.
 DEFAULT_TIMEOUT = timedelta(minutes=10)

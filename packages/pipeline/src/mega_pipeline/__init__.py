@@ -1,5 +1,7 @@
 """Pipeline parallelism for any nn.Module: stage-to-stage transfers and the 1F1B schedules."""
 
+import importlib.metadata
+
 from mega_pipeline.chunk import DataIterator, ForwardStep, LossFunc, LossOutput, StageChunk
 from mega_pipeline.losses import broadcast_losses
 from mega_pipeline.order import (
@@ -22,6 +24,11 @@ from mega_pipeline.schedules import (
 )
 from mega_pipeline.stages import rank_layer_ranges, split_layers
 
+try:
+    __version__ = importlib.metadata.version("mega-pipeline")
+except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "Action",
     "DataIterator",
@@ -34,6 +41,7 @@ __all__ = [
     "P2PCommunicator",
     "StageChunk",
     "Step",
+    "__version__",
     "broadcast_losses",
     "build_plan",
     "forward_backward_1f1b",

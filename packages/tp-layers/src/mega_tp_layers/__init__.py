@@ -1,23 +1,21 @@
 """Tensor- and sequence-parallel layers, vocab-parallel embedding and loss, shard metadata."""
 
+import importlib.metadata
+
 from mega_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 from mega_tp_layers.embedding import VocabParallelEmbedding
 from mega_tp_layers.fp8 import (
-    FP8_ALIGNMENT,
     Fp8Recipe,
-    Fp8Tensor,
-    fp8_gemm_fits,
     fp8_gemm_supported,
     fp8_linear,
     fp8_linear_dgrad,
     fp8_linear_forward,
     fp8_linear_wgrad,
-    fp8_quantize,
-    fp8_quantize_by_amax,
-    scaled_gemm,
 )
 from mega_tp_layers.grads import (
     SEQUENCE_PARALLEL_ATTR,
+    all_reduce_coalesced,
+    gradient_of,
     mark_sequence_parallel,
     sync_sequence_parallel_grads,
 )
@@ -45,13 +43,8 @@ from mega_tp_layers.mappings import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
-from mega_tp_layers.overlap import (
-    all_gather_linear,
-    linear_reduce_scatter,
-    ring_all_gather,
-    ring_reduce_scatter,
-)
-from mega_tp_layers.rng import TP_RNG, TP_SEED_OFFSET, RNGStatesTracker, tp_rng_tracker
+from mega_tp_layers.params import KeepsParamAttrs, ShardedModule, creation_generator
+from mega_tp_layers.rng import TP_RNG, RNGStatesTracker, tp_rng_tracker
 from mega_tp_layers.shard import (
     SHARD_ATTR,
     ShardSpec,
@@ -65,57 +58,57 @@ from mega_tp_layers.shard import (
 from mega_tp_layers.te_backend import BACKENDS, Backend, fp8_autocast, te_available
 from mega_tp_layers.vocab import padded_vocab_size, vocab_range
 
+try:
+    __version__ = importlib.metadata.version("mega-tp-layers")
+except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "BACKENDS",
-    "FP8_ALIGNMENT",
     "INIT_ATTR",
     "SEQUENCE_PARALLEL_ATTR",
     "SHARD_ATTR",
     "TP_RNG",
-    "TP_SEED_OFFSET",
     "Backend",
     "ColumnParallelLinear",
     "Fp8Recipe",
-    "Fp8Tensor",
     "InitMethod",
+    "KeepsParamAttrs",
     "Normal",
     "PaddedRows",
     "RNGStatesTracker",
     "RowParallelLinear",
     "ScaledNormal",
     "ShardSpec",
+    "ShardedModule",
     "Uniform",
     "VocabParallelEmbedding",
     "XavierUniform",
     "Zeros",
-    "all_gather_linear",
+    "__version__",
+    "all_reduce_coalesced",
     "column_parallel_linear",
     "copy_to_tp_region",
+    "creation_generator",
     "fp8_autocast",
-    "fp8_gemm_fits",
     "fp8_gemm_supported",
     "fp8_linear",
     "fp8_linear_dgrad",
     "fp8_linear_forward",
     "fp8_linear_wgrad",
-    "fp8_quantize",
-    "fp8_quantize_by_amax",
     "gather_from_sequence_region",
     "gather_from_tp_region",
     "gather_full",
+    "gradient_of",
     "init_full",
     "init_parameter",
     "init_parameters",
-    "linear_reduce_scatter",
     "mark_replicated",
     "mark_sequence_parallel",
     "padded_vocab_size",
     "param_generator",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
-    "ring_all_gather",
-    "ring_reduce_scatter",
-    "scaled_gemm",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
     "set_shard_spec",

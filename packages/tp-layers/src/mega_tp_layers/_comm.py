@@ -2,7 +2,8 @@
 
 Every helper calls ``torch.distributed`` through the module attribute at call time (so a
 test can count the calls) and assumes a group of more than one rank: callers return early
-for size-1 groups, which therefore issue nothing.
+for size-1 groups, which therefore issue nothing. ``group_size`` and ``group_rank`` are
+mega_parallel_grid's, re-exported here for the modules of this package.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from mega_parallel_grid import group_rank, group_size
 
 __all__ = [
     "all_gather_dim0",
@@ -25,16 +28,6 @@ __all__ = [
     "ring_shift",
     "split_last_dim",
 ]
-
-
-def group_size(group: ProcessGroup) -> int:
-    """Number of ranks in ``group``."""
-    return dist.get_world_size(group)
-
-
-def group_rank(group: ProcessGroup) -> int:
-    """This process's index in ``group``."""
-    return dist.get_rank(group)
 
 
 def check_group(tp_group: object, owner: str) -> ProcessGroup:

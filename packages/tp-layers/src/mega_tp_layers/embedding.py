@@ -8,12 +8,12 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from mega_tp_layers._comm import check_divisible_dim0, check_group, group_rank, group_size
-from mega_tp_layers._params import ShardedModule, creation_generator
 from mega_tp_layers.init import InitMethod, Normal, PaddedRows
 from mega_tp_layers.mappings import (
     reduce_from_tp_region_inplace,
     reduce_scatter_to_sequence_region,
 )
+from mega_tp_layers.params import ShardedModule, creation_generator
 from mega_tp_layers.shard import ShardSpec
 from mega_tp_layers.vocab import padded_vocab_size, vocab_range
 

@@ -39,7 +39,6 @@ from mega_tp_layers._comm import (
     group_size,
     reduce_scatter_dim0,
 )
-from mega_tp_layers._params import ShardedModule, creation_generator
 from mega_tp_layers.fp8 import (
     FP8_ALIGNMENT,
     Fp8Recipe,
@@ -62,6 +61,7 @@ from mega_tp_layers.overlap import (
     check_tp_comm_overlap,
     linear_reduce_scatter,
 )
+from mega_tp_layers.params import ShardedModule, creation_generator
 from mega_tp_layers.shard import ShardSpec
 from mega_tp_layers.te_backend import Backend, check_backend, te_linear
 from mega_tp_layers.vocab import padded_vocab_size

@@ -1,8 +1,11 @@
-"""A module base that creates sharded parameters and keeps their metadata through ``_apply``.
+"""Module bases whose parameters keep their mega metadata through ``Module._apply``.
 
-``Module.to_empty`` (meta -> real device) replaces parameter objects, which drops
-attributes; this base puts ``mega_shard``, ``mega_init`` and ``mega_sequence_parallel``
-back on the new objects.
+``Module.to_empty`` (meta -> real device), and ``.to`` where the tensor type changes,
+replace parameter objects, which drops the attributes set on them. Every mega attribute
+is named ``mega_*`` (``mega_shard``, ``mega_init``, ``mega_sequence_parallel``, mega-moe's
+``mega_expert``): :class:`KeepsParamAttrs` puts them back on the new objects, for its own
+parameters and its children's. :class:`ShardedModule` adds creating a parameter with its
+shard spec and init method.
 """
 
 from __future__ import annotations
@@ -17,7 +20,16 @@ from mega_tp_layers.grads import SEQUENCE_PARALLEL_ATTR
 from mega_tp_layers.init import INIT_ATTR, InitMethod, init_parameter, param_generator
 from mega_tp_layers.shard import SHARD_ATTR, ShardSpec, set_shard_spec
 
-__all__ = ["ShardedModule", "creation_generator"]
+__all__ = [
+    "PARAM_ATTR_PREFIX",
+    "KeepsParamAttrs",
+    "ShardedModule",
+    "creation_generator",
+    "param_attrs",
+]
+
+#: Every metadata attribute mega puts on a parameter starts with this.
+PARAM_ATTR_PREFIX = "mega_"
 
 
 def creation_generator(seed: int | None, name: str, param_name: str) -> torch.Generator:
@@ -32,12 +44,31 @@ def creation_generator(seed: int | None, name: str, param_name: str) -> torch.Ge
     return param_generator(seed, f"{name}.{param_name}" if name else param_name)
 
 
-class ShardedModule(nn.Module):
-    """Base of the mega layers: parameters born with shard metadata and an init method."""
+def param_attrs(param: Tensor) -> dict[str, Any]:
+    """The mega metadata attributes set on ``param`` (those named ``mega_*``), by name."""
+    return {k: v for k, v in vars(param).items() if k.startswith(PARAM_ATTR_PREFIX)}
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._mega_attrs: dict[str, dict[str, Any]] = {}
+
+class KeepsParamAttrs(nn.Module):
+    """A module whose parameters (its own and its children's) keep their ``mega_*``
+    attributes when ``Module._apply`` (``to_empty``, ``.to``) replaces the objects."""
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        saved = {
+            path: attrs
+            for path, p in self.named_parameters(recurse=recurse, remove_duplicate=False)
+            if (attrs := param_attrs(p))
+        }
+        result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        for path, attrs in saved.items():
+            param = self.get_parameter(path)
+            for key, value in attrs.items():
+                setattr(param, key, value)
+        return result
+
+
+class ShardedModule(KeepsParamAttrs):
+    """Base of the mega layers: parameters born with shard metadata and an init method."""
 
     def _make_param(
         self,
@@ -74,13 +105,4 @@ class ShardedModule(nn.Module):
             attrs[SEQUENCE_PARALLEL_ATTR] = True
         for key, value in attrs.items():
             setattr(param, key, value)
-        self._mega_attrs[path] = attrs
         init_parameter(param, generator)
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
-        result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        for path, attrs in self._mega_attrs.items():
-            param = self.get_parameter(path)
-            for key, value in attrs.items():
-                setattr(param, key, value)
-        return result
