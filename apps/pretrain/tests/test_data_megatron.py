@@ -8,6 +8,8 @@ import json
 import os
 import pickle
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -344,3 +346,18 @@ def test_a_blend_of_both_formats_resumes_exactly(dist_pool: DistPool, tmp_path: 
     dist_pool.run(_train, 1, args=(str(tmp_path), "resumed", "both", weights))
     assert _losses(tmp_path / "resumed") == straight
     assert straight[-1] < straight[0]
+
+
+def test_the_command_line_trains_on_a_megatron_prefix(tmp_path: Path) -> None:
+    """`mega-pretrain --data.paths <Megatron prefix>`, no other flag: it trains."""
+    _, megatron = _prefixes(str(tmp_path))
+    flags = [f"--{key}={value}" for key, value in COMMON if key != "train.steps"]
+    env = {**os.environ, "MEGA_PRETRAIN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "mega_pretrain", "--data.paths", str(megatron), "--train.steps",
+         "3", "--run.name", "cli", *flags],
+        cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(_losses(tmp_path / "runs/cli")) == 3
