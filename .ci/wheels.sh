@@ -19,6 +19,7 @@ fail() {
 start=$SECONDS
 rm -rf dist
 uv build --all-packages -o dist -q || fail "uv build --all-packages failed"
+echo "CI wheels: built $(ls dist | wc -l) files in $((SECONDS - start)) s"
 
 # Every wheel and sdist carries the license; no wheel registers a pytest plugin.
 for d in packages/* apps/*; do
@@ -51,10 +52,12 @@ check() {
   local pkg=$1 readme=$2 expected=$3
   local venv="$tmp/venv-$pkg" py
   uv venv -q --python .venv/bin/python "$venv"
+  local t0=$SECONDS
   py="$venv/bin/python"
   # --refresh-package: uv's cache may hold an older build of the same name and version.
   uv pip install -q --python "$py" -c "$tmp/constraints.txt" --find-links dist "${refresh[@]}" "$pkg" \
     || fail "installing $pkg from dist failed"
+  echo "CI wheels: $pkg installed in a fresh venv in $((SECONDS - t0)) s"
 
   local got
   got=$(uv pip list -q --python "$py" --format freeze | grep '^mega-' | cut -d= -f1 | sort | paste -sd' ')
@@ -76,10 +79,10 @@ check() {
     echo "$out" >&2
     fail "$readme example exited $rc in a venv with only $pkg installed"
   fi
-  # Imported from the venv, not from the source tree.
-  (cd "$tmp" && "$py" -c "import ${pkg//-/_}, sys; f = ${pkg//-/_}.__file__; sys.exit(not f.startswith('$venv'))") \
-    || fail "$pkg was not imported from its fresh venv"
-  echo "CI wheels: $pkg alone ($got) ran its README example on $nproc ranks"
+  # Found in the venv, not in the source tree (find_spec does not import torch).
+  (cd "$tmp" && "$py" -c "import importlib.util as u, sys; sys.exit(not u.find_spec('${pkg//-/_}').origin.startswith('$venv'))") \
+    || fail "$pkg does not come from its fresh venv"
+  echo "CI wheels: $pkg alone ($got) ran its README example on $nproc ranks (at $((SECONDS - start)) s)"
 }
 
 check mega-moe packages/moe/README.md "mega-moe mega-parallel-grid mega-tp-layers"
