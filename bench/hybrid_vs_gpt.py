@@ -13,8 +13,8 @@ Here (CPU, gloo, tiny sizes; only checks that the script runs):
 
 One step = forward + backward of the mean token loss + a fused AdamW step, all in bf16
 (weights, gradients and Adam state), no gradient accumulation. Time is the median of
-``--iters`` steps after ``--warmup``, from CUDA events. MFU uses ``model_flops_per_token``
-(GPT) and ``hybrid_flops_per_token`` (hybrid, SSD included) against the H200's dense bf16
+``--iters`` steps after ``--warmup``, from CUDA events. MFU uses each size's family spec
+(``spec_for(size).flops_per_token``: GPT's, or the hybrid's with the SSD) against the H200's dense bf16
 peak of 989 TFLOP/s. With $OUT set, each row is also appended as JSON to
 $OUT/hybrid_vs_gpt.jsonl.
 """
@@ -42,10 +42,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from mega_models import GPTModel, model_config, model_flops_per_token  # noqa: E402
-from mega_models.hybrid import HybridModel  # noqa: E402
-from mega_models.hybrid_flops import hybrid_flops_per_token  # noqa: E402
-from mega_models.hybrid_sizes import hybrid_config  # noqa: E402
+from mega_models.spec import spec_for  # noqa: E402
 from mega_parallel_grid.testing import solo_groups  # noqa: E402
 
 PEAK_BF16_TFLOPS = 989.0  # H200 SXM dense bf16
@@ -114,24 +111,16 @@ def _init_world(smoke: bool) -> torch.device:
 def _bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     model: nn.Module
-    if name == "gpt":
-        gpt = model_config(args.gpt)
-        model = GPTModel(gpt, solo_groups(), recompute=args.recompute, seed=1, device=device,
-                         dtype=dtype)  # fmt: skip
-        label, pattern, flops = (
-            args.gpt,
-            f"*-  x{gpt.num_layers}",
-            model_flops_per_token(gpt, args.seq),
-        )
-        vocab = gpt.vocab_size
-    else:
-        hyb = hybrid_config(args.hybrid)
-        if args.pattern is not None:
-            hyb = hyb.replace(pattern=args.pattern)
-        model = HybridModel(hyb, solo_groups(), recompute=args.recompute, seed=1, device=device,
-                            dtype=dtype)  # fmt: skip
-        label, pattern, flops = args.hybrid, hyb.pattern, hybrid_flops_per_token(hyb, args.seq)
-        vocab = hyb.vocab_size
+    size = args.gpt if name == "gpt" else args.hybrid
+    spec = spec_for(size)  # the family's model class and FLOPs per token
+    config = spec.sizes[size]
+    if name != "gpt" and args.pattern is not None:
+        config = config.replace(pattern=args.pattern)
+    model = spec.model_class(config, solo_groups(), recompute=args.recompute, seed=1,
+                             device=device, dtype=dtype)  # fmt: skip
+    pattern = getattr(config, "pattern", f"*-  x{config.num_layers}")
+    label, flops = size, spec.flops_per_token(config, args.seq)
+    vocab = config.vocab_size
     params = sum(p.numel() for p in model.parameters())
     if args.compile:
         model = torch.compile(model)  # type: ignore[assignment]

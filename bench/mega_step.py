@@ -19,14 +19,15 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from mega_models import model_flops_per_token
 from mega_parallel_grid import init_process_groups
-from mega_pretrain.build import build, gpt_config, parallel_config, param_dtype
+from mega_pretrain.build import build, param_dtype
 from mega_pretrain.config import load_config
+from mega_pretrain.plan import plan_for
 from mega_pretrain.runtime import collective_timeout, start_distributed
 from mega_pretrain.step import StepRunner
 
@@ -65,11 +66,9 @@ def main() -> None:
     )
     start_distributed(device, collective_timeout(10))
     world = dist.get_world_size()
-    dp = world // (args.tp * args.pp)
     overrides = [
         ("model.size", args.size), ("train.seq_len", str(args.seq)),
         ("train.micro_batch_size", str(args.mb)),
-        ("train.global_batch_size", str(args.mb * args.accum * dp)),
         ("train.precision", args.precision or ("bf16" if cuda or args.fp8 else "fp32")), ("train.fp8", str(args.fp8).lower()),
         ("train.compile", str(args.compile).lower()),
         ("train.recompute", args.recompute), ("parallel.tp", str(args.tp)), ("parallel.pp", str(args.pp)),
@@ -79,8 +78,12 @@ def main() -> None:
         ("parallel.tp_comm_overlap", str(args.tp_comm_overlap).lower()),
     ]  # fmt: skip
     config = load_config(None, overrides)
-    model = gpt_config(config)
-    groups = init_process_groups(parallel_config(config))
+    dp = plan_for(config, world).dp  # the layout's dp sets the global batch
+    batch = args.mb * args.accum * dp
+    config = replace(config, train=replace(config.train, global_batch_size=batch))
+    plan = plan_for(config, world)  # the model's family spec, dp and stage split
+    model = plan.model
+    groups = init_process_groups(plan.parallel)
     built = build(config, groups, device)
     runner = StepRunner(
         built, groups, seq_len=args.seq, micro_batch_size=args.mb, hidden_size=model.hidden_size,
@@ -114,8 +117,8 @@ def main() -> None:
             loss, _ = runner.train_step(batches, 3e-4)
             times.append(1e3 * (time.perf_counter() - s))
     med = statistics.median(times)
-    tokens = args.mb * args.accum * args.seq * dp
-    flops = model_flops_per_token(model, args.seq)
+    tokens = plan.tokens_per_step
+    flops = plan.flops_per_token()  # the family's count: hybrid sizes get their own
     tok_s = tokens / (med / 1e3)
     result = {
         "system": f"mega{'-compile' if args.compile else '-eager'}{'-fp8' if args.fp8 else ''}",
