@@ -107,19 +107,21 @@ def test_a_gpt_size_with_a_pattern_becomes_the_hybrid_of_its_dimensions() -> Non
 def test_layout_checks_are_the_familys() -> None:
     hybrid = spec_for("hybrid-tiny")
     c = hybrid.sizes["hybrid-tiny"]
-    hybrid.check_layout(c, LayoutRequest(ParallelConfig(tp=2), seq_len=64))
+    hybrid.check_layout(c, LayoutRequest(ParallelConfig(tp=2), local_seq_len=64))
     with pytest.raises(ValueError, match=r"mamba_num_groups \(2\) is not divisible by tp \(4\)"):
-        hybrid.check_layout(c, LayoutRequest(ParallelConfig(tp=4), seq_len=64))
+        hybrid.check_layout(c, LayoutRequest(ParallelConfig(tp=4), local_seq_len=64))
     with pytest.raises(ValueError, match="GPT models only, not hybrid"):
-        hybrid.check_layout(c, LayoutRequest(ParallelConfig(), seq_len=64, fp8=True))
+        hybrid.check_layout(c, LayoutRequest(ParallelConfig(), local_seq_len=64, fp8=True))
     with pytest.raises(ValueError, match=r"cp \(2\) > 1 is not supported for hybrid"):
-        hybrid.check_layout(c, LayoutRequest(ParallelConfig(cp=2), seq_len=64))
+        hybrid.check_layout(c, LayoutRequest(ParallelConfig(cp=2), local_seq_len=64))
     gpt = spec_for("tiny")
     gpt.check_layout(
-        model_config("tiny"), LayoutRequest(ParallelConfig(cp=2), seq_len=64, fp8=True)
+        model_config("tiny"), LayoutRequest(ParallelConfig(cp=2), local_seq_len=64, fp8=True)
     )
     with pytest.raises(ValueError, match=r"ep \(2\) > 1 needs an MoE model"):
-        gpt.check_layout(model_config("tiny"), LayoutRequest(ParallelConfig(ep=2), seq_len=64))
+        gpt.check_layout(
+            model_config("tiny"), LayoutRequest(ParallelConfig(ep=2), local_seq_len=64)
+        )
 
 
 def test_one_stage_split_with_one_error_text() -> None:

@@ -74,7 +74,7 @@ class Plan:
         """What the family's layout check reads."""
         p, t = self.config.parallel, self.config.train
         return LayoutRequest(
-            parallel=self.parallel, seq_len=t.seq_len, sequence_parallel=p.sequence_parallel,
+            parallel=self.parallel, local_seq_len=self.local_seq_len, sequence_parallel=p.sequence_parallel,
             fp8=t.fp8, tp_comm_overlap=p.tp_comm_overlap,
         )  # fmt: skip
 

@@ -42,8 +42,8 @@ class LayoutRequest:
 
     parallel: ParallelConfig
     """The parallel degrees (tp, pp, cp, ep, etp, vpp)."""
-    seq_len: int
-    """Tokens per sample."""
+    local_seq_len: int
+    """Tokens of a sample on one cp rank (``seq_len / cp``)."""
     sequence_parallel: bool = False
     """Norms and dropout split along the sequence over tp."""
     fp8: bool = False
@@ -119,7 +119,7 @@ def _check_moe_layout(config: GPTConfig, request: LayoutRequest) -> None:
             f"model.moe_shared_expert_size ({config.moe_shared_expert_size}) is not divisible "
             f"by tp ({p.tp}); choose a multiple of {p.tp}"
         )
-    local = request.seq_len // p.cp
+    local = request.local_seq_len
     if p.tp > 1 and not request.sequence_parallel and local % p.tp:
         raise ValueError(
             f"MoE layers split each cp rank's sequence ({local} tokens) over tp ({p.tp}); "
