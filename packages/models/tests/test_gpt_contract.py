@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
+from _tolerance import model_reduction_length
 from torch import nn
 
 from mega_models import GPTConfig, GPTModel, finalize_model_grads, model_config
@@ -20,9 +18,6 @@ from mega_parallel_grid.testing import (
     solo_groups,
 )
 from mega_tp_layers import gather_full, shard_spec
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tolerance import model_reduction_length
 
 # fp32 on CPU. A parallel layout changes only the order of float additions (tp splits
 # GEMM reductions and sums partials; cp merges softmax blocks; SP all-reduces norm grads).

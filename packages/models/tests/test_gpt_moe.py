@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 from typing import Literal
 
 import pytest
 import torch
 import torch.distributed as dist
+from _tolerance import model_reduction_length
 from torch import nn
 
 from mega_models import (
@@ -36,9 +35,6 @@ from mega_parallel_grid.testing import (
     solo_groups,
 )
 from mega_tp_layers import gather_full, shard_spec
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tolerance import model_reduction_length
 
 # fp32 on CPU, as in test_gpt_contract.py: layouts reorder float sums, so each tensor is
 # compared through ``assert_close_to_reference`` with n the model's chain of sums (N below).

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _hf_common import forward_stages, one_sentence, randomise, read_all, save
 
 from mega_models import GPTConfig, GPTModel, stage_spec

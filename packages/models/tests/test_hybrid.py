@@ -3,12 +3,10 @@ losses, gradients, and weights after three AdamW steps."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
+from _tolerance import model_reduction_length
 from torch import nn
 
 from mega_models import GPTConfig, finalize_model_grads, model_config
@@ -23,9 +21,6 @@ from mega_parallel_grid.testing import (
     solo_groups,
 )
 from mega_tp_layers import gather_full, shard_spec
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tolerance import model_reduction_length
 
 # fp32 on CPU. A layout only reorders float sums (tp splits GEMM reductions; SP
 # all-reduces norm gradients; pp does not change arithmetic), so each tensor is compared

@@ -3,13 +3,11 @@ layouts against one process, FLOPs of the activated experts, and bad input."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _tolerance import model_reduction_length
 from torch import Tensor, nn
 
 from mega_models import (
@@ -44,9 +42,6 @@ from mega_parallel_grid.testing import (
     solo_groups,
 )
 from mega_tp_layers import gather_full, shard_spec
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tolerance import model_reduction_length
 
 # fp32 on CPU, as in test_hybrid.py and test_gpt_moe.py: a layout (or the reference's
 # token-by-token loop) only reorders float sums, so each tensor is compared through

@@ -9,14 +9,10 @@ Padding to capacity must not change any of it. Tolerance: see _moe_harness.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _moe_harness import run_case
 
 from mega_moe import MoEConfig, RouterConfig

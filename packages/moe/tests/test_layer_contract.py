@@ -9,12 +9,7 @@ tensor, fp32 reordered sums).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _moe_harness import run_case
 
 from mega_moe import MoEConfig, RouterConfig

@@ -7,13 +7,9 @@ the losses' gradients of each option. Tolerance: see _moe_harness.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _moe_harness import run_case
 
 from mega_moe import MoEConfig, RouterConfig

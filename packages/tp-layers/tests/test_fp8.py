@@ -22,16 +22,12 @@ fp32 the two differ only in the order of float sums, within the rounding bound o
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tp_testing import error_messages
 from torch import Tensor
 

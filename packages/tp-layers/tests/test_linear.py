@@ -11,19 +11,15 @@ differently, which this tolerance does not cover.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tp_testing import recorded_dist_calls
 from torch import Tensor, nn
 

@@ -21,19 +21,15 @@ scales are what is tested.
 from __future__ import annotations
 
 import re
-import sys
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tp_testing import error_messages, recorded_dist_calls
 from torch import Tensor, nn
 
