@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from mega_models import GPTModel
+from mega_models import GPTModel, gather_full_state
 from mega_parallel_grid import init_process_groups
 from mega_parallel_grid.testing import (
     DistPool,
@@ -27,7 +26,6 @@ from mega_parallel_grid.testing import (
 from mega_pretrain.build import build, gpt_config, parallel_config
 from mega_pretrain.config import load_config
 from mega_pretrain.step import StepRunner
-from mega_tp_layers import gather_full, shard_spec
 
 STEPS, SEQ, MICRO, GLOBAL = 3, 16, 2, 8
 LR = 1e-3
@@ -89,20 +87,11 @@ def _batches(seed: int, step: int, micro: int = MICRO) -> list[tuple[torch.Tenso
     ]
 
 
-def _full_weights(
-    chunks: list[GPTModel], tp_group: dist.ProcessGroup, vocab: int
-) -> dict[str, torch.Tensor]:
-    out = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            t = p.detach()
-            spec = shard_spec(p)
-            if spec is not None and spec.dim is not None and spec.num_shards > 1:
-                t = gather_full(t, spec, tp_group)
-            if name.startswith(("embedding.word", "output")):
-                t = t[:vocab]
-            out[name] = t.float().cpu().clone()
-    return out
+def _full_weights(chunks: list[GPTModel]) -> dict[str, torch.Tensor]:
+    """Every weight unsplit over tp, vocab padding cut (no pp group: this stage's layers)."""
+    state = gather_full_state(chunks)
+    assert state is not None
+    return {name: t.float() for name, t in state.items()}
 
 
 def _reference(
@@ -132,7 +121,7 @@ def _reference(
         opt.step()
         losses.append(total)
     assert min(norms) > t.clip_grad, "clipping must act for the norm to matter"
-    return losses, norms, _full_weights([net], solo_groups().tp, gpt.vocab_size)
+    return losses, norms, _full_weights([net])
 
 
 def _parallel(
@@ -157,7 +146,7 @@ def _parallel(
         norms.append(float(result.grad_norm or 0.0))
     for ddp in built.ddps:  # overlap_param_gather: the last step's gathers are still in flight
         ddp.finish_param_sync()
-    weights = _full_weights(built.chunks, groups.tp, gpt.vocab_size)
+    weights = _full_weights(built.chunks)
     return losses, norms, weights
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mega_models import GPTConfig, GPTModel
-from mega_moe import MoELayer, expert_shard, gather_expert_weight, update_expert_biases
-from mega_parallel_grid import ProcessGroups, init_process_groups
+from mega_models import GPTConfig, GPTModel, gather_full_state
+from mega_moe import MoELayer, update_expert_biases
+from mega_parallel_grid import init_process_groups
 from mega_parallel_grid.testing import (
     DistPool,
     assert_close_to_reference,
@@ -35,7 +35,6 @@ from mega_pretrain.config import load_config
 from mega_pretrain.moe_logging import moe_log_values
 from mega_pretrain.step import StepRunner
 from mega_pretrain.validate import check_config
-from mega_tp_layers import gather_full, shard_spec
 
 STEPS, SEQ, MICRO, GLOBAL = 3, 16, 2, 8
 LR = 1e-3
@@ -117,23 +116,11 @@ def _batches(seed: int, step: int, micro: int) -> list[tuple[torch.Tensor, torch
     ]
 
 
-def _full_weights(chunks: list[GPTModel], groups: ProcessGroups) -> dict[str, torch.Tensor]:
-    """Every weight unsplit: experts over ep and etp, the rest over tp (vocab padding cut)."""
-    out = {}
-    for chunk in chunks:
-        vocab = chunk.config.vocab_size
-        for name, p in chunk.named_parameters():
-            if expert_shard(p) is not None:
-                t = gather_expert_weight(p, groups.ep, groups.etp)
-            else:
-                t = p.detach()
-                spec = shard_spec(p)
-                if spec is not None and spec.dim is not None and spec.num_shards > 1:
-                    t = gather_full(t, spec, groups.tp)
-            if name.startswith(("embedding.word", "output")):
-                t = t[:vocab]
-            out[name] = t.float().cpu().clone()
-    return out
+def _full_weights(chunks: list[GPTModel]) -> dict[str, torch.Tensor]:
+    """Every weight unsplit (experts over ep and etp, the rest over tp; vocab padding cut)."""
+    state = gather_full_state(chunks)  # no pp group: this stage's layers
+    assert state is not None
+    return {name: t.float() for name, t in state.items()}
 
 
 def _moe_layers(model: torch.nn.Module) -> list[MoELayer]:
@@ -185,7 +172,7 @@ def _reference(model: dict[str, object], micro: int = MICRO) -> tuple[Run, list[
         opt.step()
         update_expert_biases(net)
         losses.append(total)
-    return (losses, norms, _full_weights([net], solo_groups())), stats
+    return (losses, norms, _full_weights([net])), stats
 
 
 def _parallel(
@@ -211,7 +198,7 @@ def _parallel(
         losses.append(float(loss))
         norms.append(result.grad_norm)
     logged = moe_log_values(built.chunks, groups)
-    return (losses, norms, _full_weights(built.chunks, groups)), logged
+    return (losses, norms, _full_weights(built.chunks)), logged
 
 
 def _expected_log(stats: list[Stats], dp: int) -> dict[str, float]:
