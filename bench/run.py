@@ -32,6 +32,7 @@ Suite = list[tuple[str, int, str]]
 _STEP = "python3 bench/mega_step.py"
 _TORCH = "python3 bench/peers/torch_ref.py"
 _CEILING = "python3 bench/peers/ceiling.py"
+_TORCHRUN2 = "torchrun --standalone --nproc-per-node 2"
 _TRAIN = (
     "python3 -m mega_pretrain --train.compile true --train.steps 12 --train.log_interval 4 "
     "--train.eval_interval 0 --checkpoint.save_interval 0 --run.out_dir /tmp/runs"
@@ -72,6 +73,18 @@ SUITES: dict[str, Suite] = {
         ("mega compile fp8", 180, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8"),
     ],
     "hybrid": [("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile")],
+    # the contract tests again on the GPU with NCCL (the pool uses NCCL when GPUs are visible)
+    "gpu-tests": [
+        ("parallel-grid tests", 300, "python3 -m pytest -q -p mega_parallel_grid.testing.pytest_plugin "
+                                     "packages/parallel-grid/tests packages/tp-layers/tests/test_linear.py"),
+    ],
+    # two GPUs (nvidia-h200-x2): data, tensor and pipeline parallel side by side
+    "two-gpu": [
+        ("dp 2", 240, f"{_TORCHRUN2} bench/mega_step.py --size 1b-bench --mb 8 --compile"),
+        ("tp 2 + sp", 240, f"{_TORCHRUN2} bench/mega_step.py --size 1b-bench --mb 8 --tp 2 --sp --compile"),
+        ("pp 2, 13/11", 240, f"{_TORCHRUN2} bench/mega_step.py --size 1b-bench --mb 8 --pp 2 --accum 8 "
+                             "--pp-layers 13,11 --compile"),
+    ],
 }  # fmt: skip
 
 _ENV = {

@@ -29,8 +29,9 @@ from mega_models.hybrid_flops import (
 from mega_models.hybrid_sizes import HYBRID_SIZES, hybrid_config
 from mega_models.mamba import ALogInit, DtBiasInit, Mamba2Mixer
 from mega_models.registry import MODEL_SIZES, model_config
+from mega_models.spec import ModelSpec, all_specs, register_spec, resolve_model, spec_for
 from mega_models.ssd import ssd_chunked, ssd_sequential
-from mega_models.stages import StageSpec, stage_spec
+from mega_models.stages import StageSpec, stage_layer_counts, stage_spec
 
 try:
     __version__ = importlib.metadata.version("mega-models")
@@ -50,8 +51,10 @@ __all__ = [
     "HybridLayer",
     "HybridModel",
     "Mamba2Mixer",
+    "ModelSpec",
     "StageSpec",
     "__version__",
+    "all_specs",
     "context_parallel_attention",
     "finalize_model_grads",
     "forward_flops_per_token",
@@ -67,10 +70,14 @@ __all__ = [
     "matmul_params",
     "model_config",
     "model_flops_per_token",
+    "register_spec",
+    "resolve_model",
     "save_hf_checkpoint",
+    "spec_for",
     "ssd_chunked",
     "ssd_flops_per_token",
     "ssd_sequential",
+    "stage_layer_counts",
     "stage_spec",
     "zigzag_positions",
     "zigzag_split",
