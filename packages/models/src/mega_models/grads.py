@@ -9,8 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mega_parallel_grid import ProcessGroups
-from mega_tp_layers import SEQUENCE_PARALLEL_ATTR, gradient_of
-from mega_tp_layers import all_reduce_coalesced as _all_reduce_flat
+from mega_tp_layers import all_reduce_coalesced, gradient_of, sync_sequence_parallel_grads
 
 __all__ = ["finalize_model_grads", "gradient_of"]
 
@@ -25,13 +24,7 @@ def finalize_model_grads(chunks: nn.Module | Sequence[nn.Module], groups: Proces
     """
     modules = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
     params = [p for m in modules for p in m.parameters()]
-    if groups.size("tp") > 1:
-        partial = [
-            g for p in params
-            if getattr(p, SEQUENCE_PARALLEL_ATTR, False) and (g := gradient_of(p)) is not None
-        ]  # fmt: skip
-        if partial:
-            _all_reduce_flat(partial, groups.tp)
+    sync_sequence_parallel_grads(params, groups.tp)  # replicated params under SP: sum over tp
     if groups.size("pp") == 1 or dist.get_world_size(groups.embedding) == 1:
         return
     tied: list[torch.Tensor] = []
@@ -43,4 +36,4 @@ def finalize_model_grads(chunks: nn.Module | Sequence[nn.Module], groups: Proces
             if name == "embedding.word.weight" and grad is not None:
                 tied.append(grad)
     if tied:
-        _all_reduce_flat(tied, groups.embedding)
+        all_reduce_coalesced(tied, groups.embedding)
