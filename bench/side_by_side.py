@@ -29,6 +29,8 @@ def name(r: dict[str, Any]) -> str:
         system, mode = "mega", system.removeprefix("mega-")
     if r.get("precision") == "bf16":
         mode += " bf16+fp32 master"
+    if r.get("size", "1b-bench") != "1b-bench":
+        mode += f" {r['size']}"
     layout = "".join(f" {k}{r[k]}" for k in ("tp", "pp", "dp") if int(r.get(k, 1)) > 1)
     return f"{system} {mode}{layout}".strip()
 
@@ -44,7 +46,7 @@ def main(folder: str) -> None:
     rows = [r for r in rows if "tokens_per_s" in r]  # step benchmarks only (not fp8_linear's)
     per_gpu = {id(r): r.get("tokens_per_s_per_gpu", r["tokens_per_s"]) for r in rows}
     mega = {
-        (r["system"], r.get("world", 1)): per_gpu[id(r)]
+        (r["system"], r.get("world", 1), r.get("size", "1b-bench")): per_gpu[id(r)]
         for r in rows
         if str(r["system"]).startswith("mega-")
     }
@@ -57,7 +59,8 @@ def main(folder: str) -> None:
         tps, world = per_gpu[id(r)], r.get("world", 1)
         tflops = tps * r["flops_per_token"] / 1e12
         compiled = r.get("compile") is True or str(r["system"]).startswith("mega-compile")
-        ref = mega.get(("mega-compile" if compiled else "mega-eager", world))
+        size = r.get("size", "1b-bench")  # the peers run 1b-bench's shape
+        ref = mega.get(("mega-compile" if compiled else "mega-eager", world, size))
         ratio = f"{tps / ref:.3f}x" if ref else "-"
         mfu = f"{tflops / ceiling:.1%}" if ceiling else "-"
         print(
