@@ -56,6 +56,19 @@ MODEL_SIZES: dict[str, GPTConfig] = {
         moe_score_function="sigmoid", moe_normalize_topk=True, moe_num_groups=8,
         moe_group_topk=4, moe_expert_bias=True, moe_seq_aux_loss_coeff=1e-4,
     ),
+    # CPU Qwen3-style dense: GQA, per-head RMSNorm on q and k (qk_norm), tied embeddings,
+    # rope_theta 1e6, norm eps 1e-6 (converts to and from Qwen3ForCausalLM).
+    "qwen3-tiny": GPTConfig(
+        vocab_size=257, hidden_size=64, num_layers=4, num_attention_heads=4,
+        num_query_groups=2, ffn_hidden_size=192, max_seq_len=256, norm_eps=1e-6,
+        rope_theta=1e6, qk_norm=True, tie_embeddings=True,
+    ),
+    # Qwen3-1.7B shape: head dim 128 (= hidden / heads), FFN 6144, tied embeddings.
+    "qwen3-1.7b": GPTConfig(
+        vocab_size=151936, hidden_size=2048, num_layers=28, num_attention_heads=16,
+        num_query_groups=8, ffn_hidden_size=6144, max_seq_len=40960, norm_eps=1e-6,
+        rope_theta=1e6, qk_norm=True, tie_embeddings=True,
+    ),
     # Llama-3-8B shape.
     "8b": GPTConfig(
         vocab_size=128256, hidden_size=4096, num_layers=32, num_attention_heads=32,

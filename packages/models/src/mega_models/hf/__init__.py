@@ -1,6 +1,7 @@
 """Hugging Face bridge for Llama-family checkpoints and their mixtures of experts.
 
-Dense: Llama 2/3.0, Mistral, Qwen2 (q/k/v biases as ``GPTConfig.qkv_bias``). MoE: Mixtral
+Dense: Llama 2/3.0, Mistral, Qwen2 (q/k/v biases as ``GPTConfig.qkv_bias``), Qwen3 (per-head
+q/k RMSNorm as ``GPTConfig.qk_norm``; head dim hidden / heads only). MoE: Mixtral
 and Qwen2-MoE (shared expert with its sigmoid gate, ``norm_topk_prob``,
 ``decoder_sparse_step`` / ``mlp_only_layers``), with routers that compute what
 ``transformers`` computes. Import reads each rank's shard (tp, ep, etp, pipeline stage)

@@ -1,5 +1,6 @@
-"""Hugging Face ``config.json`` <-> :class:`GPTConfig` for Llama-family decoders and their
-mixtures of experts (Mixtral, Qwen2-MoE; the expert keys are in :mod:`mega_models.hf.moe`).
+"""Hugging Face ``config.json`` <-> :class:`GPTConfig` for Llama-family decoders (Qwen3's
+per-head q/k norms as ``GPTConfig.qk_norm``) and their mixtures of experts (Mixtral,
+Qwen2-MoE; the expert keys are in :mod:`mega_models.hf.moe`).
 
 Pure dictionaries and dataclasses: no torch, no safetensors, no transformers. Both the
 ``transformers`` 4.x layout (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and the
@@ -37,11 +38,15 @@ __all__ = [
     "read_hf_config",
 ]
 
+#: The one architecture with per-head RMSNorm on q and k (``GPTConfig.qk_norm``).
+QWEN3 = "Qwen3ForCausalLM"
+
 #: Architectures the bridge reads and writes, with their ``model_type``.
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    QWEN3: "qwen3",
     MIXTRAL: "mixtral",
     QWEN2_MOE: "qwen2_moe",
 }
@@ -64,6 +69,8 @@ class HFLayout:
     """``gate_proj``/``up_proj``/``down_proj`` have biases (Llama with ``mlp_bias``)."""
     num_experts: int = 0
     """Routed experts of each sparse layer (Mixtral, Qwen2-MoE); 0 for a dense model."""
+    qk_norm: bool = False
+    """``self_attn.q_norm`` / ``k_norm`` scale each head before RoPE (Qwen3)."""
 
     @property
     def any_bias(self) -> bool:
@@ -120,6 +127,8 @@ def hf_layout(source: HFSource) -> HFLayout:
         experts = int(cfg.get("num_experts", 60))
         qkv = bool(cfg.get("qkv_bias", True))
         return HFLayout(arch, qkv_bias=qkv, proj_bias=False, mlp_bias=False, num_experts=experts)
+    if arch == QWEN3:
+        return HFLayout(arch, qkv_bias=False, proj_bias=False, mlp_bias=False, qk_norm=True)
     if arch == MIXTRAL:
         experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 8)))
         return HFLayout(arch, qkv_bias=False, proj_bias=False, mlp_bias=False, num_experts=experts)
@@ -138,7 +147,7 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, str]:
 def _window(cfg: Mapping[str, Any], arch: str) -> int | None:
     """The sliding-attention window the checkpoint uses, or None."""
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", QWEN2_MOE) and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", QWEN2_MOE, QWEN3) and not cfg.get("use_sliding_window", False):
         return None
     return int(window) if window else None
 
@@ -151,11 +160,17 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
     ``hidden_size / num_attention_heads``, a router setting mega's router lacks (Mixtral's
     ``router_jitter_noise``). A sliding-attention window caps ``max_seq_len`` (mega attends
     over the whole causal context, which is the same up to the window). Q/K/V-only biases
-    (Qwen2, Qwen2-MoE) give ``qkv_bias``; any other bias gives ``add_bias``.
+    (Qwen2, Qwen2-MoE) give ``qkv_bias``; any other bias gives ``add_bias``. Qwen3 gives
+    ``qk_norm``; its ``attention_bias`` must be false (no Qwen3 checkpoint has one).
     """
     cfg = read_hf_config(source)
     layout = hf_layout(cfg)
     arch = layout.architecture
+    if arch == QWEN3 and cfg.get("attention_bias", False):
+        raise ValueError(
+            f"attention_bias ({cfg['attention_bias']!r}) of {QWEN3} is not supported; "
+            "mega converts Qwen3 without attention biases (set attention_bias to false)"
+        )
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(
@@ -172,7 +187,7 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
     if head_dim is not None and int(head_dim) * heads != hidden:
         raise ValueError(
             f"head_dim ({head_dim}) is not hidden_size / num_attention_heads ({hidden} / "
-            f"{heads}); GPTModel derives the head dim from them"
+            f"{heads}); GPTModel derives the head dim from them (it has no explicit head_dim)"
         )
     max_len = int(cfg.get("max_position_embeddings", 2048))
     window = _window(cfg, arch)
@@ -193,6 +208,7 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
         position="rope",
         rope_theta=theta,
         max_seq_len=max_len,
+        qk_norm=layout.qk_norm,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         add_bias=layout.add_bias,
         qkv_bias=layout.qkv_bias and not layout.add_bias,
@@ -208,22 +224,44 @@ def check_convertible(config: GPTConfig) -> None:
         ("norm", config.norm, "rmsnorm"),
         ("activation", config.activation, "swiglu"),
         ("position", config.position, "rope"),
-        ("qk_norm", config.qk_norm, False),
     ):
         if value != want:
             raise ValueError(
                 f"GPTConfig.{field} ({value!r}) has no Llama-family equivalent; "
                 f"only {field}={want!r} converts to or from Hugging Face"
             )
+    if config.qk_norm and config.is_moe:
+        raise ValueError(
+            "GPTConfig.qk_norm (True) with MoE layers has no supported Hugging Face "
+            f"equivalent; only dense qk_norm models convert, as {QWEN3}"
+        )
+
+
+def _check_qwen3_export(config: GPTConfig, architecture: str) -> None:
+    """qk_norm is written as Qwen3 and only as Qwen3, without biases."""
+    if config.qk_norm != (architecture == QWEN3):
+        need = f"qk_norm={architecture == QWEN3}"
+        raise ValueError(
+            f"GPTConfig.qk_norm ({config.qk_norm}) cannot be written as {architecture}; "
+            f"export qk_norm models as {QWEN3} and others as another architecture ({need})"
+        )
+    if architecture == QWEN3 and (config.add_bias or config.qkv_bias):
+        raise ValueError(
+            f"GPTConfig.add_bias ({config.add_bias}) / qkv_bias ({config.qkv_bias}) cannot be "
+            f"written as {QWEN3}, which mega converts without biases; turn them off"
+        )
 
 
 def default_architecture(config: GPTConfig) -> str:
     """The architecture ``config`` is written as when none is asked for.
 
-    Dense: ``Qwen2ForCausalLM`` with ``qkv_bias``, else ``LlamaForCausalLM``. MoE:
+    Dense: ``Qwen3ForCausalLM`` with ``qk_norm``, ``Qwen2ForCausalLM`` with ``qkv_bias``,
+    else ``LlamaForCausalLM``. MoE:
     ``MixtralForCausalLM`` when every layer is MoE, without shared expert and without
     ``qkv_bias``, else ``Qwen2MoeForCausalLM``.
     """
+    if not config.is_moe and config.qk_norm:
+        return QWEN3
     if not config.is_moe:
         return "Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM"
     everywhere = len(config.moe_layers) == config.num_layers
@@ -266,6 +304,7 @@ def hf_config_from_gpt(
             f"supported: {', '.join(HF_ARCHITECTURES)}"
         )
     check_moe_export(config, architecture)
+    _check_qwen3_export(config, architecture)
     out: dict[str, Any] = dict(base) if base is not None else {}
     out.pop("rope_scaling", None)
     out.update({
@@ -288,19 +327,21 @@ def hf_config_from_gpt(
         "dtype": dtype,
         "torch_dtype": dtype,
     })  # fmt: skip
-    if architecture in ("LlamaForCausalLM", "MistralForCausalLM"):
-        out["head_dim"] = config.head_dim
+    if architecture in ("LlamaForCausalLM", "MistralForCausalLM", QWEN3):
+        out["head_dim"] = config.head_dim  # Qwen3's default (128) is not hidden / heads
     elif out.get("head_dim") is not None:  # the others derive it unless it is given
         out["head_dim"] = config.head_dim
+    if architecture == QWEN3:
+        out["attention_bias"] = False
     if architecture == "LlamaForCausalLM":
         out["attention_bias"] = config.add_bias or config.qkv_bias
         out["mlp_bias"] = config.add_bias
     if architecture in ("MistralForCausalLM", MIXTRAL):
         out.setdefault("sliding_window", None)
-    if architecture == "Qwen2ForCausalLM":
+    if architecture in ("Qwen2ForCausalLM", QWEN3):
         out["use_sliding_window"] = False
         out["sliding_window"] = None
-    if architecture in ("Qwen2ForCausalLM", QWEN2_MOE):
+    if architecture in ("Qwen2ForCausalLM", QWEN2_MOE, QWEN3):
         out["layer_types"] = ["full_attention"] * config.num_layers
     if architecture in MOE_ARCHITECTURES:
         out.update(hf_moe_keys(config, architecture, out))

@@ -14,6 +14,9 @@ Pure tensor arithmetic, no files. Four layouts differ between the two sides:
   [E, h, f]``, a SequentialMLP expert's or the shared expert's ``weight1 [2, f, h]``.
   ``TensorMap.grid`` gives the leading dimensions; the HF names fill it row-major.
 
+Qwen3's ``self_attn.q_norm`` / ``k_norm`` (one scale per head dim, shared by all heads)
+are mega's ``attention.q_norm`` / ``k_norm``, replicated over tp: copied whole.
+
 RoPE needs no permutation: HF-format Llama weights already use the rotate-half
 convention that :func:`mega_models.rope.apply_rope` uses.
 """
@@ -61,6 +64,8 @@ _PER_LAYER: dict[str, tuple[Kind, tuple[str, ...]]] = {
         "qkv",
         ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     ),
+    "attention.q_norm.weight": ("copy", ("self_attn.q_norm.weight",)),
+    "attention.k_norm.weight": ("copy", ("self_attn.k_norm.weight",)),
     "attention.proj.weight": ("copy", ("self_attn.o_proj.weight",)),
     "attention.proj.bias": ("copy", ("self_attn.o_proj.bias",)),
     "mlp.fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
@@ -68,6 +73,7 @@ _PER_LAYER: dict[str, tuple[Kind, tuple[str, ...]]] = {
     "mlp.fc2.weight": ("copy", ("mlp.down_proj.weight",)),
     "mlp.fc2.bias": ("copy", ("mlp.down_proj.bias",)),
 }
+_QK_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")
 _TOP: dict[str, tuple[Kind, tuple[str, ...]]] = {
     "embedding.word.weight": ("vocab", ("model.embed_tokens.weight",)),
     "output.weight": ("vocab", ("lm_head.weight",)),
@@ -119,8 +125,8 @@ def _has_bias(suffix: str, layout: HFLayout) -> bool:
 def _no_counterpart(mega_name: str, layout: HFLayout) -> ValueError:
     return ValueError(
         f"parameter {mega_name} has no Hugging Face counterpart in {layout.architecture}; "
-        "only GPTModels with rmsnorm, swiglu, rope and no qk_norm convert, MoE layers as "
-        "MixtralForCausalLM or Qwen2MoeForCausalLM (shared experts as the latter)"
+        "only GPTModels with rmsnorm, swiglu and rope convert, qk_norm as Qwen3ForCausalLM, "
+        "MoE layers as MixtralForCausalLM or Qwen2MoeForCausalLM (shared experts as the latter)"
     )
 
 
@@ -173,6 +179,8 @@ def tensor_map(mega_name: str, layout: HFLayout) -> TensorMap:
     if suffix not in _PER_LAYER:
         return _expert_map(mega_name, suffix, prefix, layout)
     kind, hf = _PER_LAYER[suffix]
+    if suffix in _QK_NORMS and not layout.qk_norm:
+        raise _no_counterpart(mega_name, layout)
     if suffix.endswith(".bias") and not _has_bias(suffix, layout):
         return TensorMap(mega_name, "absent", ())
     return TensorMap(mega_name, kind, tuple(prefix + name for name in hf))
@@ -219,6 +227,8 @@ def hf_shapes(tmap: TensorMap, config: GPTConfig) -> tuple[tuple[int, ...], ...]
         return ((h, q),)
     if suffix == "mlp.fc2.weight":
         return ((h, f),)
+    if suffix in _QK_NORMS:
+        return ((d,),)
     return ((h,),)  # norms and the row-parallel biases
 
 
@@ -226,6 +236,7 @@ def _layer_names(config: GPTConfig, i: int, all_biases: bool) -> list[str]:
     c, every = config, all_biases or config.add_bias
     names = ["input_norm.weight", "attention.qkv.weight"]
     names += ["attention.qkv.bias"] if every or c.qkv_bias else []
+    names += list(_QK_NORMS) if c.qk_norm else []
     names += ["attention.proj.weight"] + (["attention.proj.bias"] if every else [])
     names.append("mlp_norm.weight")
     if not c.is_moe_layer(i):
