@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tolerance import forward_reduction_length, model_reduction_length
 
 from mega_models import GPTConfig, GPTModel, gather_full_state
 from mega_moe import MoELayer, update_expert_biases
@@ -76,15 +77,11 @@ DEEPSEEK_16 = {
 
 
 def _chain(model: dict[str, object]) -> tuple[int, int]:
-    """(forward, one step's gradient) reduction lengths of the model (``assert_close_to_reference``):
-    per layer the norm, qkv and out projections and the MLP (h each, ffn), attention over the
-    sequence; then the head (h) and the softmax over the vocabulary. Backward retraces it,
-    and a weight gradient sums over the global batch's tokens."""
+    """(forward, one step's gradient) reduction lengths of the model, counted as the models'
+    contract tests count them (``_tolerance``): a weight gradient sums over the global batch."""
     gpt = gpt_config(load_config(None, _overrides({}, model)))
-    h = gpt.hidden_size
-    forward = gpt.num_layers * (4 * h + max(gpt.ffn_size, gpt.moe_ffn_size) + SEQ)
-    forward += h + gpt.vocab_size
-    return forward, 2 * forward + GLOBAL * SEQ
+    forward = forward_reduction_length(gpt, seq=SEQ)
+    return forward, model_reduction_length(gpt, seq=SEQ, tokens=GLOBAL * SEQ)
 
 
 def _overrides(

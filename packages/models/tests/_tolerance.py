@@ -15,9 +15,13 @@ from __future__ import annotations
 from mega_models import GPTConfig
 
 
-def model_reduction_length(config: GPTConfig, *, seq: int, tokens: int, steps: int = 1) -> int:
-    """``n`` for one forward and backward of ``config`` on ``tokens`` tokens of ``seq``."""
+def forward_reduction_length(config: GPTConfig, *, seq: int) -> int:
+    """``n`` for one forward of ``config`` on sequences of ``seq`` (a loss, an output)."""
     h = config.hidden_size
     per_layer = 4 * h + max(config.ffn_size, config.moe_ffn_size) + seq
-    forward = config.num_layers * per_layer + h + config.vocab_size
-    return steps * (2 * forward + tokens)
+    return config.num_layers * per_layer + h + config.vocab_size
+
+
+def model_reduction_length(config: GPTConfig, *, seq: int, tokens: int, steps: int = 1) -> int:
+    """``n`` for one forward and backward of ``config`` on ``tokens`` tokens of ``seq``."""
+    return steps * (2 * forward_reduction_length(config, seq=seq) + tokens)
