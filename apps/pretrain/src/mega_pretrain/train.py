@@ -80,9 +80,10 @@ def _datasets(config: TrainerConfig, model: GPTConfig, samples: int) -> tuple[An
     t, d = config.train, config.data
     prefixes = list(d.paths) or [str(ensure_default_dataset())]
     weights = list(d.weights) or [1.0] * len(prefixes)
+    if not d.paths:  # check_config checked data.paths already; the built-in corpus it cannot
+        check_vocab(prefixes[0], model.vocab_size)
     trains, valids = [], []
     for prefix in prefixes:
-        check_vocab(prefix, model.vocab_size)  # data.paths were checked before; the default not
         indexed = IndexedTokenDataset(prefix)
         train_docs, valid_docs = split_train_valid(indexed, d.valid_fraction, t.seed)
         if len(valid_docs) and valid_docs.num_tokens < t.seq_len + 1:

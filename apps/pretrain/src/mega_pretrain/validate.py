@@ -112,7 +112,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
         if missing:
             raise ValueError(
                 f"data.paths entry {prefix!r} has no {' or '.join(missing)}; give the prefix "
-                "`mega-pretrain preprocess --output` wrote (without .idx/.bin)"
+                "`mega-pretrain preprocess --output` wrote, or a Megatron .bin/.idx prefix (without .idx/.bin)"
             )
     for prefix in config.data.paths:
         check_vocab(prefix, model.vocab_size)
