@@ -33,10 +33,12 @@ class GPTConfig:
     """Normalisation before attention, before the MLP and at the end."""
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
-    activation: Literal["swiglu", "gelu"] = "swiglu"
-    """MLP activation; swiglu uses a gated first projection of twice the width."""
-    position: Literal["rope", "learned"] = "rope"
-    """Rotary position embedding in attention, or a learned absolute table added to the input."""
+    activation: Literal["swiglu", "gelu", "relu2"] = "swiglu"
+    """MLP activation; swiglu uses a gated first projection of twice the width, relu2 is
+    squared ReLU without a gate (Nemotron-H)."""
+    position: Literal["rope", "learned", "none"] = "rope"
+    """Rotary position embedding in attention, a learned absolute table added to the input,
+    or none (Nemotron-H's attention layers, whose Mamba layers carry the order)."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies."""
     max_seq_len: int = 2048
@@ -99,6 +101,11 @@ class GPTConfig:
     """How tokens travel to their experts over ep."""
     moe_grouped_experts: bool = True
     """One grouped GEMM over all local experts (else a loop of expert modules)."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depth D (DeepSeek-V3): module k predicts token t + 1 + k from
+    depth k-1's hidden state and the embedding of token t + k (0: off)."""
+    mtp_loss_scale: float = 0.1
+    """lambda: the training loss adds lambda times the mean of the D MTP losses."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -126,10 +133,17 @@ class GPTConfig:
             raise ValueError(f"ffn_hidden_size ({self.ffn_hidden_size}) must be positive or None")
         if self.norm not in ("rmsnorm", "layernorm"):
             raise ValueError(f"norm ({self.norm!r}) must be 'rmsnorm' or 'layernorm'")
-        if self.activation not in ("swiglu", "gelu"):
-            raise ValueError(f"activation ({self.activation!r}) must be 'swiglu' or 'gelu'")
-        if self.position not in ("rope", "learned"):
-            raise ValueError(f"position ({self.position!r}) must be 'rope' or 'learned'")
+        if self.activation not in ("swiglu", "gelu", "relu2"):
+            raise ValueError(
+                f"activation ({self.activation!r}) must be 'swiglu', 'gelu' or 'relu2'"
+            )
+        if self.position not in ("rope", "learned", "none"):
+            raise ValueError(f"position ({self.position!r}) must be 'rope', 'learned' or 'none'")
+        m = self.mtp_num_layers
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"mtp_num_layers ({m!r}) must be a non-negative integer; 0 is off")
+        if not self.mtp_loss_scale >= 0.0:
+            raise ValueError(f"mtp_loss_scale ({self.mtp_loss_scale!r}) must be >= 0")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(
                 f"head dim ({self.head_dim}) must be even for rope; change hidden_size or heads"
@@ -242,7 +256,7 @@ class GPTConfig:
         """The MLP inner width actually used."""
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        if self.activation == "gelu":
+        if self.activation in ("gelu", "relu2"):
             return 4 * self.hidden_size
         return (int(8 * self.hidden_size / 3) + 63) // 64 * 64
 

@@ -1,4 +1,4 @@
-"""The feed-forward block: column GEMM, SwiGLU or GeLU, row GEMM."""
+"""The feed-forward block: column GEMM, SwiGLU, GeLU or squared ReLU, row GEMM."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ class MLP(nn.Module):
         super().__init__()
         c = config
         self.swiglu = c.activation == "swiglu"
+        self.activation = c.activation
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
                   "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8,
                   "tp_comm_overlap": tp_comm_overlap}  # fmt: skip
@@ -56,6 +57,8 @@ class MLP(nn.Module):
             # where two selects' backwards would each fill a zero tensor and then be added
             gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
             y = F.silu(gate) * up
+        elif self.activation == "relu2":
+            y = torch.square(F.relu(y))
         else:
             y = F.gelu(y, approximate="tanh")
         out: torch.Tensor = self.fc2(y)  # -> [s(/tp), b, h]
