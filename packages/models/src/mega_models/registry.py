@@ -63,6 +63,15 @@ MODEL_SIZES: dict[str, GPTConfig] = {
         num_query_groups=2, ffn_hidden_size=192, max_seq_len=256, norm_eps=1e-6,
         rope_theta=1e6, qk_norm=True, tie_embeddings=True,
     ),
+    # CPU Qwen3-MoE-style: qk_norm, 8 experts top-2 (softmax over all experts, the k
+    # renormalised: norm_topk_prob), no shared expert, a dense first layer (mlp_only_layers).
+    "qwen3-moe-tiny": GPTConfig(
+        vocab_size=257, hidden_size=64, num_layers=4, num_attention_heads=4,
+        num_query_groups=2, ffn_hidden_size=128, max_seq_len=256, norm_eps=1e-6,
+        rope_theta=1e6, qk_norm=True, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=32,
+        moe_layer_pattern="-EEE", moe_softmax_before_topk=True, moe_normalize_topk=True,
+        moe_aux_loss_coeff=1e-3,
+    ),
     # Qwen3-1.7B shape: head dim 128 (= hidden / heads), FFN 6144, tied embeddings.
     "qwen3-1.7b": GPTConfig(
         vocab_size=151936, hidden_size=2048, num_layers=28, num_attention_heads=16,
