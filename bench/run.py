@@ -73,6 +73,13 @@ SUITES: dict[str, Suite] = {
         ("mega compile fp8", 180, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8"),
     ],
     "hybrid": [("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile")],
+    # GPU kernel time by kind per step (bench/kernel_profile.py), compiled
+    "profile": [
+        (f"profile {size}", 300, f"python3 bench/kernel_profile.py --steps-run 8 --label {size} -- "
+                                 f"{_STEP.split(' ', 1)[1]} --size {size} --mb {mb} --compile "
+                                 "--steps 5 --warmup 3")
+        for size, mb in (("moe-2b", 4), ("deepseek-3b", 4), ("1b-bench", 8))
+    ],
     # the contract tests again on the GPU with NCCL (the pool uses NCCL when GPUs are visible)
     "gpu-tests": [
         ("parallel-grid tests", 300, "python3 -m pytest -q -p mega_parallel_grid.testing.pytest_plugin "
