@@ -83,6 +83,9 @@ class GPTConfig:
     """Group-limited routing: experts form this many groups (None: off)."""
     moe_group_topk: int | None = None
     """Group-limited routing: tokens choose inside their best this-many groups."""
+    moe_group_score_topk: int | None = None
+    """Group-limited routing: a group scores the sum of its best this-many expert scores
+    (None: moe_top_k // moe_group_topk, Megatron's rule; DeepSeek-V3 sums 2)."""
     moe_aux_loss_coeff: float = 0.0
     """Switch-style load-balancing loss coefficient (per micro-batch; 0: off)."""
     moe_seq_aux_loss_coeff: float = 0.0
@@ -228,6 +231,7 @@ class GPTConfig:
             softmax_before_topk=self.moe_softmax_before_topk,
             normalize_topk=self.moe_normalize_topk, scaling_factor=self.moe_scaling_factor,
             num_groups=self.moe_num_groups, group_topk=self.moe_group_topk,
+            group_score_topk=self.moe_group_score_topk,
             aux_loss_coeff=self.moe_aux_loss_coeff, seq_aux_loss_coeff=self.moe_seq_aux_loss_coeff,
             z_loss_coeff=self.moe_z_loss_coeff, expert_bias=self.moe_expert_bias,
             bias_update_rate=self.moe_bias_update_rate, capacity_factor=self.moe_capacity_factor,

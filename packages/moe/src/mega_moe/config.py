@@ -61,7 +61,11 @@ class RouterConfig:
     """Group-limited routing: the experts form this many equal groups (None: off)."""
     group_topk: int | None = None
     """Group-limited routing: a token picks its experts inside its best ``group_topk`` groups.
-    A group scores the sum of its best ``top_k // group_topk`` expert scores."""
+    A group scores the sum of its best ``group_score_topk`` expert scores."""
+    group_score_topk: int | None = None
+    """Group-limited routing: how many of a group's best expert scores its score sums. None:
+    ``top_k // group_topk`` (Megatron-core's rule); DeepSeek-V3 and ``transformers`` sum the
+    best 2 whatever ``top_k`` is (the two agree for DeepSeek-V3's top 8 of 4 groups)."""
     aux_loss_coeff: float = 0.0
     """Switch-style load-balancing loss ``coeff * E * sum_i f_i P_i`` (0: off)."""
     seq_aux_loss_coeff: float = 0.0
@@ -110,8 +114,13 @@ class RouterConfig:
             )
 
     def _check_groups(self) -> None:
-        groups, picked = self.num_groups, self.group_topk
+        groups, picked, summed = self.num_groups, self.group_topk, self.group_score_topk
         if groups is None and picked is None:
+            if summed is not None:
+                raise ValueError(
+                    f"group_score_topk ({summed}) needs group-limited routing; set num_groups "
+                    "and group_topk, or leave group_score_topk None"
+                )
             return
         if groups is None or picked is None:
             raise ValueError(
@@ -136,6 +145,21 @@ class RouterConfig:
                 f"top_k ({k}) exceeds the {picked * (e // groups)} experts of the best "
                 f"group_topk ({picked}) groups of {e // groups}; raise group_topk"
             )
+        if summed is not None:
+            _positive_int("group_score_topk", summed)
+            if summed > e // groups:
+                raise ValueError(
+                    f"group_score_topk ({summed}) exceeds the {e // groups} experts of a group "
+                    f"(num_experts {e} / num_groups {groups}); choose at most {e // groups}"
+                )
+
+    @property
+    def group_scored_by(self) -> int:
+        """How many best expert scores a group's score sums (group-limited routing only)."""
+        assert self.group_topk is not None
+        if self.group_score_topk is not None:
+            return self.group_score_topk
+        return self.top_k // self.group_topk
 
     def capacity(self, num_tokens: int) -> int | None:
         """Most tokens (of ``num_tokens`` routed on one rank) an expert takes; None: no limit."""

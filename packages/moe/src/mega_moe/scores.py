@@ -23,14 +23,16 @@ __all__ = [
 ]
 
 
-def group_limited_mask(selection: Tensor, num_groups: int, group_topk: int, top_k: int) -> Tensor:
+def group_limited_mask(
+    selection: Tensor, num_groups: int, group_topk: int, scored_by: int
+) -> Tensor:
     """``[N, E]`` True on the experts of each token's best ``group_topk`` groups.
 
-    A group scores the sum of its best ``top_k // group_topk`` selection scores.
+    A group scores the sum of its best ``scored_by`` selection scores.
     """
     n, e = selection.shape
     grouped = selection.view(n, num_groups, e // num_groups)  # [N, G, E/G]
-    group_scores = grouped.topk(top_k // group_topk, dim=-1).values.sum(dim=-1)  # [N, G]
+    group_scores = grouped.topk(scored_by, dim=-1).values.sum(dim=-1)  # [N, G]
     best = group_scores.topk(group_topk, dim=-1).indices  # [N, group_topk]
     chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
     return chosen.unsqueeze(-1).expand_as(grouped).reshape(n, e)
@@ -59,7 +61,7 @@ def select_experts(
     else:
         selection = selection.detach()
     if c.num_groups is not None and c.group_topk is not None:
-        keep = group_limited_mask(selection, c.num_groups, c.group_topk, c.top_k)
+        keep = group_limited_mask(selection, c.num_groups, c.group_topk, c.group_scored_by)
         selection = selection.masked_fill(~keep, float("-inf"))
     index = selection.topk(c.top_k, dim=-1).indices  # [N, k]
     if c.score_function == "softmax" and not c.softmax_before_topk:
