@@ -1,4 +1,9 @@
-"""``--dry-run``: the resolved config, sizes, memory per rank, FLOPs and the rank layout."""
+"""``--dry-run``: the plan of the whole job before it starts.
+
+The resolved config, sizes, memory per rank, FLOPs, the batch, the pipeline bubble the
+schedule predicts, steps and total tokens, the data source (with a warning when a large
+model is about to train on the small built-in corpus) and the rank layout.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,46 @@ import torch
 from mega_pretrain.auto_batch import resolve_micro_batch
 from mega_pretrain.build import gpt_config
 from mega_pretrain.config import TrainerConfig, config_to_dict
+from mega_pretrain.data import default_corpus
 from mega_pretrain.estimate import estimate
 from mega_pretrain.runtime import precision_phrase, with_precision
 from mega_pretrain.validate import check_config
 
-__all__ = ["dry_run"]
+__all__ = ["LARGE_MODEL_PARAMS", "builtin_corpus_tokens", "data_lines", "dry_run"]
+
+#: Parameters above which the built-in corpus is too small to train on (it gets a warning).
+LARGE_MODEL_PARAMS = 100_000_000
 
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:8.2f} GiB"
+
+
+def builtin_corpus_tokens() -> int:
+    """Tokens of the built-in corpus, counted from its files without tokenizing them
+    (byte-level: one token a byte, and one end-of-document token a file)."""
+    files = default_corpus()
+    return sum(f.stat().st_size for f in files) + len(files)
+
+
+def data_lines(config: TrainerConfig, total_params: int) -> list[str]:
+    """Where the tokens come from, and a warning when the model would overfit the
+    built-in corpus."""
+    d = config.data
+    if d.paths:
+        weights = list(d.weights) or [1.0] * len(d.paths)
+        parts = ", ".join(f"{p} (weight {w:g})" for p, w in zip(d.paths, weights, strict=False))
+        return [f"data: {parts}; tokenizer {d.tokenizer}"]
+    tokens = builtin_corpus_tokens()
+    lines = [
+        f"data: the built-in corpus (the standard library's sources), {tokens:,} tokens, byte-level"
+    ]
+    if total_params > LARGE_MODEL_PARAMS:
+        lines.append(
+            f"warning: the built-in corpus is {tokens:,} tokens; a model of "
+            f"{total_params:,} parameters will overfit it; point data.paths at a real dataset"
+        )
+    return lines
 
 
 def dry_run(config: TrainerConfig, world_size: int) -> str:
@@ -50,6 +86,7 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
         f"  optimizer   {_gib(est.optimizer)}",
         f"  activations {_gib(est.activations)}",
         f"  total       {_gib(est.total)}",
+        *data_lines(config, est.total_params),
         "rank layout:",
         plan.layout.table() if world_size <= 64 else f"({world_size} ranks; table omitted)",
     ]

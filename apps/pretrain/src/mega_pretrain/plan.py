@@ -78,6 +78,32 @@ class Plan:
             fp8=t.fp8, tp_comm_overlap=p.tp_comm_overlap,
         )  # fmt: skip
 
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule the trainer runs for this layout."""
+        p = self.parallel
+        if p.pp == 1:
+            return "no pipelining"
+        return f"interleaved 1F1B (vpp {p.vpp})" if p.vpp and p.vpp > 1 else "1F1B"
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of a step's time the pipeline idles, as the schedule predicts it.
+
+        1F1B: ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-batches; the
+        interleaved schedule shrinks the bubble ``vpp`` times: ``(p - 1) / (vpp * m + p - 1)``
+        (the ``(p - 1) / (vpp * m)`` of bubble to work, as a share of the step). 0 without
+        a pipeline; needs a concrete micro-batch.
+        """
+        p, m = self.parallel.pp, self.microbatches
+        chunks = self.parallel.vpp or 1
+        return (p - 1) / (chunks * m + p - 1)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens the whole run trains on (``train.steps`` optimizer steps)."""
+        return self.config.train.steps * self.tokens_per_step
+
     def flops_per_token(self) -> float:
         """Model FLOPs per token (forward + backward) at ``train.seq_len``, for MFU."""
         return self.spec.flops_per_token(self.model, self.config.train.seq_len)
@@ -97,6 +123,15 @@ class Plan:
                 f"per step, {self.tokens_per_step} tokens per step, {self.local_seq_len} "
                 "tokens per sample on each cp rank"
             )
+            lines.append(
+                f"pipeline schedule: {self.schedule_name}, predicted bubble "
+                f"{self.bubble_fraction:.1%} of each step"
+                + (f" (pp {p.pp}, {self.microbatches} micro-batches)" if p.pp > 1 else "")
+            )
+        lines.append(
+            f"job: {t.steps:,} steps of {self.tokens_per_step:,} tokens = "
+            f"{self.total_tokens:,} tokens"
+        )
         return lines
 
 
