@@ -6,10 +6,51 @@ every expert exactly ``capacity`` rows; empty slots point at a sentinel zero row
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 __all__ = ["Permutation", "capacity_slots", "chunk_permutation", "sort_by_expert"]
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, perm)`` for a permutation, whose backward gathers by the inverse.
+
+    ``index_select``'s own backward is an ``index_add`` into zeros: atomic adds, slow in
+    bf16 on the GPU; for a permutation the gather by its inverse is the same, exactly.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _RepeatRows(torch.autograd.Function):
+    """``[N, h] -> [N*k, h]``: row ``token_idx[i]`` of ``x`` at row ``i``, each row k times.
+
+    ``inverse[token * k + choice]`` is the output row of that copy. The backward gathers
+    the gradient back to token-major order by it and sums each token's k rows in fp32:
+    no atomics (``index_select``'s backward would be an atomic ``index_add``), deterministic.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, token_idx: Tensor, inverse: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, token_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (inverse,) = ctx.saved_tensors
+        per = grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1])  # [N, k, h]
+        return per.sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None, None
 
 
 class Permutation:
@@ -22,15 +63,23 @@ class Permutation:
         num_tokens: int,
         padded: bool,
         per_token: int | None = None,
+        order: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         self.token_idx = token_idx  # [M] source token (N = the zero sentinel when padded)
         self.expert_idx = expert_idx  # [M] expert (column of the routing map) of each row
         self.num_tokens = num_tokens
         self.padded = padded
         self.per_token = per_token  # every token has exactly this many rows (no dropping)
+        # with per_token, (expert_major, token_major): row i of the expert-major layout is
+        # row expert_major[i] of the token-major one (token * k + choice), and row j of the
+        # token-major layout is row token_major[j] of the expert-major one
+        self.order = order
 
     def gather(self, x: Tensor) -> Tensor:
         """``[N, ...] -> [M, ...]``: the rows in expert-major order (zeros in empty slots)."""
+        if self.per_token is not None and self.order is not None and x.dim() == 2:
+            out: Tensor = _RepeatRows.apply(x, self.token_idx, self.order[1], self.per_token)
+            return out
         if self.padded:
             x = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # [N+1, ...], row N is zero
         return x.index_select(0, self.token_idx)
@@ -44,18 +93,25 @@ class Permutation:
     def scatter_add(self, y: Tensor, weights: Tensor) -> Tensor:
         """``[M, h] -> [N, h]``: sum each token's rows times their weights.
 
-        With ``per_token`` rows per token, one batched GEMM ``[N, 1, k] x [N, k, h]`` does
-        it (fp32 accumulation, no fp32 copy of ``y``, deterministic); otherwise an fp32
-        ``index_add``.
+        With ``per_token`` rows per token: the rows permuted to token-major order (a
+        gather both ways), then each token's k rows weighted and summed in fp32 — one fused
+        reduction under ``torch.compile``, deterministic. (A batched GEMM
+        ``[N, 1, k] x [N, k, h]`` ran as a k-wide, 2-aligned GEMM: ~1.3 ms per layer on an
+        H200 at 16k tokens, k 2.) Otherwise an fp32 ``index_add``.
         """
         k = self.per_token
-        if k is not None:
-            order = torch.argsort(self.token_idx, stable=True)  # expert-major -> token-major
-            per = y.index_select(0, order).view(self.num_tokens, k, y.shape[-1])  # [N, k, h]
-            w = weights.index_select(0, order).view(self.num_tokens, 1, k).to(y.dtype)
-            return torch.bmm(w, per).view(self.num_tokens, y.shape[-1])  # [N, h]
-        rows = self.num_tokens + (1 if self.padded else 0)
-        out = torch.zeros((rows, y.shape[-1]), dtype=torch.float32, device=y.device)
+        if k is not None and self.order is not None:
+            expert_major, token_major = self.order
+            rows: Tensor = _PermuteRows.apply(y, token_major, expert_major)
+            per = rows.view(self.num_tokens, k, y.shape[-1])  # [N, k, h]
+            row_w: Tensor = _PermuteRows.apply(weights.float(), token_major, expert_major)
+            w = row_w.view(self.num_tokens, k, 1)
+            acc = per[:, 0].float() * w[:, 0]
+            for j in range(1, k):  # k small: one fused kernel compiled, k products eager
+                acc = acc + per[:, j].float() * w[:, j]
+            return acc.to(y.dtype)  # [N, h]
+        total = self.num_tokens + (1 if self.padded else 0)
+        out = torch.zeros((total, y.shape[-1]), dtype=torch.float32, device=y.device)
         out = out.index_add(0, self.token_idx, y.float() * weights.unsqueeze(-1))
         return out[: self.num_tokens].to(y.dtype)
 
@@ -76,7 +132,12 @@ def sort_by_expert(routing_map: Tensor, per_token: int | None = None) -> tuple[P
         flat = chosen.flatten()  # [N*k] expert of each (token, choice), token-major
         order = torch.argsort(flat, stable=True)
         token_idx = torch.div(order, per_token, rounding_mode="floor")
-        return Permutation(token_idx, flat[order], n, padded=False, per_token=per_token), counts
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        perm = Permutation(
+            token_idx, flat[order], n, padded=False, per_token=per_token, order=(order, inverse)
+        )
+        return perm, counts
     pairs = routing_map.t().nonzero()  # [M, 2] (expert, token), expert-major
     perm = Permutation(pairs[:, 1], pairs[:, 0], n, padded=False, per_token=per_token)
     return perm, counts
