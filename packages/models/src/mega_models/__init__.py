@@ -28,6 +28,8 @@ from mega_models.hybrid_flops import (
 )
 from mega_models.hybrid_sizes import HYBRID_SIZES, hybrid_config
 from mega_models.mamba import ALogInit, DtBiasInit, Mamba2Mixer
+from mega_models.mtp import MTPDepth, mtp_labels
+from mega_models.mtp_flops import mtp_flops_per_token
 from mega_models.registry import MODEL_SIZES, model_config
 from mega_models.spec import ModelSpec, all_specs, register_spec, resolve_model, spec_for
 from mega_models.ssd import ssd_chunked, ssd_sequential
@@ -50,6 +52,7 @@ __all__ = [
     "HybridConfig",
     "HybridLayer",
     "HybridModel",
+    "MTPDepth",
     "Mamba2Mixer",
     "ModelSpec",
     "StageSpec",
@@ -70,6 +73,8 @@ __all__ = [
     "matmul_params",
     "model_config",
     "model_flops_per_token",
+    "mtp_flops_per_token",
+    "mtp_labels",
     "register_spec",
     "resolve_model",
     "save_hf_checkpoint",

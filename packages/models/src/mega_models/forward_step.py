@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from mega_models.context_parallel import zigzag_split
+from mega_models.mtp import mtp_labels
 
 __all__ = ["LossFunc", "gpt_forward_step"]
 
@@ -26,6 +27,12 @@ def gpt_forward_step(
     rank of a data-parallel replica; under context parallelism this rank keeps its zig-zag
     share. On later pipeline stages the schedule's chunk wrapper replaces the tokens by
     the received hidden state. The micro-batch loss is the mean over its tokens.
+
+    A model with multi-token prediction (``mtp_depth`` D > 0) gets the labels as
+    :func:`~mega_models.mtp.mtp_labels`' ``[1 + D, b, s]`` rows, shifted before the split,
+    so the shifted tokens cross cp chunk borders correctly. Its loss is the main loss plus
+    the MTP term the model attached; the logged ``loss`` stays the main language-model
+    loss, beside ``mtp_loss`` (the mean over depths) and, for D > 1, ``mtp_loss_k``.
     """
     cp = torch.distributed.get_world_size(cp_group)
     cp_rank = torch.distributed.get_rank(cp_group)
@@ -35,13 +42,24 @@ def gpt_forward_step(
     ) -> tuple[Tensor, LossFunc]:
         assert data is not None
         tokens, labels = next(data)
+        module = getattr(chunk, "module", chunk)  # mega-pipeline's StageChunk wraps it
+        depth = int(getattr(module, "mtp_depth", 0))
+        if depth:
+            labels = mtp_labels(labels, depth)  # [b, s] -> [1 + D, b, s]
         tokens = zigzag_split(tokens, cp, cp_rank, dim=1).to(device, non_blocking=True)
-        labels = zigzag_split(labels, cp, cp_rank, dim=1).to(device, non_blocking=True)
+        labels = zigzag_split(labels, cp, cp_rank, dim=labels.dim() - 1)
+        labels = labels.to(device, non_blocking=True)
         out: Tensor = chunk(tokens, labels=labels)
+        mtp: Tensor | None = getattr(module, "mtp_losses", None) if depth else None
 
         def loss_func(per_token: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
             loss = per_token.float().mean()
-            return loss, {"loss": loss.detach()}
+            logs = {"loss": loss.detach()}
+            if mtp is not None:
+                logs["mtp_loss"] = mtp.mean()
+                if len(mtp) > 1:
+                    logs.update({f"mtp_loss_{k}": v for k, v in enumerate(mtp, start=1)})
+            return loss, logs
 
         return out, loss_func
 

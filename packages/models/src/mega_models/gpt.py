@@ -12,8 +12,9 @@ from mega_models.config import GPTConfig
 from mega_models.context_parallel import zigzag_positions
 from mega_models.head import Embedding, embed, lm_head, make_head, mark_tied_copy
 from mega_models.layer import TransformerLayer
+from mega_models.mtp import MTPDepth, mtp_head
 from mega_models.norms import Norm
-from mega_models.rope import rope_tables
+from mega_models.rope import rope_for
 from mega_models.stage_body import run_stage
 from mega_models.stages import StageSpec, stage_spec
 from mega_parallel_grid import ProcessGroups
@@ -43,6 +44,14 @@ class GPTModel(nn.Module):
     the transformer layers' linear GEMMs in FP8; embedding and output head stay as they are.
     ``tp_comm_overlap`` (needs ``sequence_parallel``) overlaps the layers' sequence-parallel
     all-gathers and reduce-scatters with their linear GEMMs (the output head stays plain).
+
+    Multi-token prediction (``config.mtp_num_layers`` D > 0, :mod:`mega_models.mtp`): the
+    last stage also holds D depth modules and a copy of the embedding; with labels its
+    per-token loss carries the MTP term into backward, ``labels`` may be
+    :func:`~mega_models.mtp.mtp_labels`' ``[1 + D, b, s_local]`` rows (needed under cp),
+    and ``mtp_losses`` holds each depth's loss of the last forward. Without labels it
+    returns the main logits only. ``mtp=False`` builds the model without them (inference,
+    export): the same main weights, and ``mtp_depth`` 0.
     """
 
     def __init__(
@@ -60,6 +69,7 @@ class GPTModel(nn.Module):
         dtype: torch.dtype | None = None,
         fp8: Fp8Recipe | None = None,
         tp_comm_overlap: bool = False,
+        mtp: bool = True,
     ) -> None:
         super().__init__()
         tp, cp = groups.size("tp"), groups.size("cp")
@@ -86,6 +96,13 @@ class GPTModel(nn.Module):
                 f"attention_dropout ({c.attention_dropout}) is not supported with cp ({cp}) > 1; "
                 "set it to 0 or use cp = 1"
             )
+        self.mtp_depth = c.mtp_num_layers if mtp else 0
+        if self.mtp_depth and c.position == "learned":
+            raise ValueError(
+                f"mtp_num_layers ({c.mtp_num_layers}) needs position 'rope' or 'none': the MTP "
+                "depths embed their tokens without the learned position table; change position "
+                "or set mtp_num_layers to 0"
+            )
         self.config, self.groups = config, groups
         self.stage = stage if stage is not None else stage_spec(c.num_layers)
         self.sequence_parallel, self.recompute, self.rng = sequence_parallel, recompute, rng
@@ -94,10 +111,13 @@ class GPTModel(nn.Module):
         target = torch.device(device) if device is not None else torch.device("cpu")
         meta = torch.device("meta")
         sp = sequence_parallel
+        self.shared_embedding = c.tie_embeddings or self.mtp_depth > 0
+        """The last stage uses the embedding too (tied output layer, MTP): under pp it keeps
+        a copy whose gradient finalize_model_grads sums with the first stage's."""
         self.embedding: Embedding | None = None
-        if self.stage.first or (self.stage.last and c.tie_embeddings):
-            # the last stage of a tied model keeps a copy under the same name: same init,
-            # and its gradient is summed with the first stage's (finalize_model_grads)
+        if self.stage.first or (self.stage.last and self.shared_embedding):
+            # the last stage keeps a copy under the same name: same init, and its gradient
+            # is summed with the first stage's (finalize_model_grads)
             self.embedding = Embedding(c, groups.tp, sp, meta, dtype, positions=self.stage.first)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(
@@ -113,6 +133,18 @@ class GPTModel(nn.Module):
         self.output: ColumnParallelLinear | None = None
         if self.stage.last:
             self.final_norm, self.output = make_head(c, groups.tp, sp, meta, dtype)
+        self.mtp: nn.ModuleList | None = None
+        self.mtp_losses: Tensor | None = None
+        if self.stage.last and self.mtp_depth:
+            self.mtp = nn.ModuleList(
+                MTPDepth(
+                    c, tp_group=groups.tp, cp_group=groups.cp, sequence_parallel=sp,
+                    cp_method=cp_method, recompute_core=recompute == "selective", rng=rng,
+                    ep_group=groups.ep, etp_group=groups.etp, tp_cp_group=groups.tp_cp,
+                    device=meta, dtype=dtype, fp8=fp8, tp_comm_overlap=tp_comm_overlap,
+                )
+                for _ in range(self.mtp_depth)
+            )  # fmt: skip
         self.to_empty(device=target)
         init_parameters(self, seed)
         if self.embedding is not None and not self.stage.first:
@@ -142,9 +174,8 @@ class GPTModel(nn.Module):
                 torch.distributed.get_world_size(self.tp_group) if self.sequence_parallel else 1
             )
             positions, seq_len = self._positions(local, hidden.device)
-        rope = (
-            rope_tables(c.head_dim, positions, c.rope_theta, hidden.dtype)
-            if c.position == "rope"
-            else None
-        )
-        return run_stage(self, self.layers.values(), hidden, labels, rope, seq_len)
+        rope = rope_for(c, positions, hidden.dtype)
+        if self.mtp is None or labels is None:
+            return run_stage(self, self.layers.values(), hidden, labels, rope, seq_len)
+        hidden = run_stage(self, self.layers.values(), hidden, None, rope, seq_len, head=False)
+        return mtp_head(self, hidden, labels, rope, seq_len)

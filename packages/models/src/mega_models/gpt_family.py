@@ -1,4 +1,4 @@
-"""The GPT family (dense and MoE): its ModelSpec."""
+"""The GPT family (dense and MoE, with or without multi-token prediction): its ModelSpec."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from mega_models.hf import (
     load_hf_weights,
     save_hf_checkpoint,
 )
+from mega_models.mtp import check_mtp_depth
+from mega_models.mtp_flops import mtp_flops_per_token, mtp_matmul_params, mtp_norm_params
 from mega_models.registry import MODEL_SIZES
-from mega_models.spec import HFAdapter, ModelSpec, check_common_layout
+from mega_models.spec import HFAdapter, LayoutRequest, ModelSpec, check_common_layout
 from mega_models.stages import StageSpec
 from mega_parallel_grid import ProcessGroups
 from mega_tp_layers import Fp8Recipe
@@ -31,6 +33,25 @@ def _build(
     return GPTModel(config, groups, stage=stage, fp8=Fp8Recipe() if fp8 else None, **options)
 
 
+def _flops_per_token(config: GPTConfig, seq_len: int) -> float:
+    return model_flops_per_token(config, seq_len) + mtp_flops_per_token(config, seq_len)
+
+
+def _matmul_params(config: GPTConfig) -> int:
+    return matmul_params(config) + mtp_matmul_params(config)
+
+
+def _check_layout(config: GPTConfig, request: LayoutRequest) -> None:
+    check_common_layout(config, request)
+    if config.mtp_num_layers:
+        check_mtp_depth(config.mtp_num_layers, request.local_seq_len * request.parallel.cp)
+        if config.position == "learned":
+            raise ValueError(
+                f"model.mtp_num_layers ({config.mtp_num_layers}) needs model.position rope or "
+                "none: the MTP depths embed their tokens without the learned position table"
+            )
+
+
 def _config_from_hf(hf_dir: Path) -> GPTConfig:
     return gpt_config_from_hf(hf_dir)
 
@@ -41,10 +62,11 @@ GPT_SPEC: ModelSpec[GPTConfig] = ModelSpec(
     config_class=GPTConfig,
     model_class=GPTModel,
     sizes=MODEL_SIZES,
-    flops_per_token=model_flops_per_token,
-    matmul_params=matmul_params,
+    flops_per_token=_flops_per_token,
+    matmul_params=_matmul_params,
     build_chunk=_build,
-    check_layout=check_common_layout,
+    check_layout=_check_layout,
+    extra_params=mtp_norm_params,
     norms_per_layer=2,
     hf=HFAdapter(
         architectures=tuple(HF_ARCHITECTURES),

@@ -15,12 +15,12 @@ __all__ = ["finalize_model_grads", "gradient_of"]
 
 
 def finalize_model_grads(chunks: nn.Module | Sequence[nn.Module], groups: ProcessGroups) -> None:
-    """Sum partial gradients: replicated params under SP over tp, tied embeddings over pp.
+    """Sum partial gradients: replicated params under SP over tp, shared embeddings over pp.
 
     Under sequence parallelism (and for QK-norm) each tp rank holds part of a replicated
-    parameter's gradient; with tied embeddings and pp > 1 the first and last stage each
-    hold part of the embedding's. Works on ``main_grad`` (mega-zero-optim's DDP, after
-    ``finish_grad_sync``) or ``grad``. Data-parallel reduction is the DDP's job.
+    parameter's gradient; with tied embeddings or multi-token prediction and pp > 1 the
+    first and last stage each hold part of the embedding's. Works on ``main_grad``
+    (mega-zero-optim's DDP, after ``finish_grad_sync``) or ``grad``. Data-parallel reduction is the DDP's job.
     """
     modules = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
     params = [p for m in modules for p in m.parameters()]
@@ -29,7 +29,10 @@ def finalize_model_grads(chunks: nn.Module | Sequence[nn.Module], groups: Proces
         return
     tied: list[torch.Tensor] = []
     for m in modules:
-        if not getattr(getattr(m, "config", None), "tie_embeddings", False):
+        shared = getattr(m, "shared_embedding", None)  # GPTModel: tied or MTP
+        if shared is None:
+            shared = getattr(getattr(m, "config", None), "tie_embeddings", False)
+        if not shared:
             continue
         for name, p in m.named_parameters():
             grad = gradient_of(p)

@@ -15,7 +15,7 @@ from mega_models.rng_replay import rng_checkpoint_contexts
 from mega_models.stages import StageSpec
 from mega_tp_layers import ColumnParallelLinear, RNGStatesTracker
 
-__all__ = ["StageModel", "run_stage"]
+__all__ = ["StageModel", "run_layer", "run_stage"]
 
 
 class StageModel(Protocol):
@@ -66,6 +66,25 @@ class StageModel(Protocol):
         """Norm, output layer and loss (possibly compiled)."""
 
 
+def run_layer(
+    model: StageModel,
+    layer: nn.Module,
+    hidden: Tensor,
+    rope: tuple[Tensor, Tensor] | None,
+    seq_len: int,
+) -> Tensor:
+    """One layer on ``hidden``, recomputed in backward with ``recompute="full"``."""
+    if model.recompute == "full" and model.training:
+        out = checkpoint(
+            layer, hidden, rope, seq_len, use_reentrant=False,
+            context_fn=rng_checkpoint_contexts(model.rng),
+        )  # fmt: skip
+    else:
+        out = layer(hidden, rope, seq_len)
+    assert isinstance(out, Tensor)
+    return out
+
+
 def run_stage(
     model: StageModel,
     layers: Iterable[nn.Module],
@@ -73,20 +92,15 @@ def run_stage(
     labels: Tensor | None,
     rope: tuple[Tensor, Tensor] | None,
     seq_len: int,
+    *,
+    head: bool = True,
 ) -> Tensor:
     """``hidden`` through ``layers`` (recomputed in backward with ``recompute="full"``),
-    then, on the last stage, the final norm, output layer and loss (or logits)."""
+    then, on the last stage unless ``head`` is False, the final norm, output layer and
+    loss (or logits)."""
     for layer in layers:
-        if model.recompute == "full" and model.training:
-            out = checkpoint(
-                layer, hidden, rope, seq_len, use_reentrant=False,
-                context_fn=rng_checkpoint_contexts(model.rng),
-            )  # fmt: skip
-        else:
-            out = layer(hidden, rope, seq_len)
-        assert isinstance(out, Tensor)
-        hidden = out
-    if not model.stage.last:
+        hidden = run_layer(model, layer, hidden, rope, seq_len)
+    if not model.stage.last or not head:
         return hidden
     assert model.final_norm is not None
     return model.head_fn(
