@@ -224,8 +224,8 @@ def test_bad_configs_fail_inone_sentence(checkpoints: dict[str, tuple[Path, Any,
         gpt_config_from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
     one_sentence(err, "GPT2LMHeadModel", "not supported", "LlamaForCausalLM")
     with pytest.raises(ValueError) as err:
-        gpt_config_from_hf({**base, "architectures": ["Qwen3MoeForCausalLM"]})
-    one_sentence(err, "Qwen3MoeForCausalLM", "not supported", "MixtralForCausalLM")
+        gpt_config_from_hf({**base, "architectures": ["Phi3ForCausalLM"]})
+    one_sentence(err, "Phi3ForCausalLM", "not supported", "MixtralForCausalLM")
     scaled = {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}
     with pytest.raises(ValueError) as err:
         gpt_config_from_hf(scaled)

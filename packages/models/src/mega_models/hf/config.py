@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> :class:`GPTConfig` for Llama-family decoders (Qwen3's
 per-head q/k norms as ``GPTConfig.qk_norm``) and their mixtures of experts (Mixtral,
-Qwen2-MoE; the expert keys are in :mod:`mega_models.hf.moe`).
+Qwen2-MoE, Qwen3-MoE; the expert keys are in :mod:`mega_models.hf.moe`).
 
 Pure dictionaries and dataclasses: no torch, no safetensors, no transformers. Both the
 ``transformers`` 4.x layout (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and the
@@ -21,6 +21,7 @@ from mega_models.hf.moe import (
     MIXTRAL,
     MOE_ARCHITECTURES,
     QWEN2_MOE,
+    QWEN3_MOE,
     check_moe_export,
     hf_moe_keys,
     moe_fields_from_hf,
@@ -38,8 +39,9 @@ __all__ = [
     "read_hf_config",
 ]
 
-#: The one architecture with per-head RMSNorm on q and k (``GPTConfig.qk_norm``).
 QWEN3 = "Qwen3ForCausalLM"
+#: The architectures with per-head RMSNorm on q and k (``GPTConfig.qk_norm``).
+QK_NORM_ARCHITECTURES = (QWEN3, QWEN3_MOE)
 
 #: Architectures the bridge reads and writes, with their ``model_type``.
 HF_ARCHITECTURES: dict[str, str] = {
@@ -49,6 +51,7 @@ HF_ARCHITECTURES: dict[str, str] = {
     QWEN3: "qwen3",
     MIXTRAL: "mixtral",
     QWEN2_MOE: "qwen2_moe",
+    QWEN3_MOE: "qwen3_moe",
 }
 
 HFSource = str | os.PathLike[str] | Mapping[str, Any]
@@ -70,7 +73,7 @@ class HFLayout:
     num_experts: int = 0
     """Routed experts of each sparse layer (Mixtral, Qwen2-MoE); 0 for a dense model."""
     qk_norm: bool = False
-    """``self_attn.q_norm`` / ``k_norm`` scale each head before RoPE (Qwen3)."""
+    """``self_attn.q_norm`` / ``k_norm`` scale each head before RoPE (Qwen3, Qwen3-MoE)."""
 
     @property
     def any_bias(self) -> bool:
@@ -129,6 +132,9 @@ def hf_layout(source: HFSource) -> HFLayout:
         return HFLayout(arch, qkv_bias=qkv, proj_bias=False, mlp_bias=False, num_experts=experts)
     if arch == QWEN3:
         return HFLayout(arch, qkv_bias=False, proj_bias=False, mlp_bias=False, qk_norm=True)
+    if arch == QWEN3_MOE:  # transformers 5 writes the count as num_local_experts
+        experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+        return HFLayout(arch, False, False, False, num_experts=experts, qk_norm=True)
     if arch == MIXTRAL:
         experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 8)))
         return HFLayout(arch, qkv_bias=False, proj_bias=False, mlp_bias=False, num_experts=experts)
@@ -147,7 +153,8 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, str]:
 def _window(cfg: Mapping[str, Any], arch: str) -> int | None:
     """The sliding-attention window the checkpoint uses, or None."""
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", QWEN2_MOE, QWEN3) and not cfg.get("use_sliding_window", False):
+    qwen = ("Qwen2ForCausalLM", QWEN2_MOE, QWEN3, QWEN3_MOE)
+    if arch in qwen and not cfg.get("use_sliding_window", False):
         return None
     return int(window) if window else None
 
@@ -161,14 +168,15 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
     ``router_jitter_noise``). A sliding-attention window caps ``max_seq_len`` (mega attends
     over the whole causal context, which is the same up to the window). Q/K/V-only biases
     (Qwen2, Qwen2-MoE) give ``qkv_bias``; any other bias gives ``add_bias``. Qwen3 gives
-    ``qk_norm``; its ``attention_bias`` must be false (no Qwen3 checkpoint has one).
+    ``qk_norm``, and so does Qwen3-MoE; their ``attention_bias`` must be false (no Qwen3
+    checkpoint has one).
     """
     cfg = read_hf_config(source)
     layout = hf_layout(cfg)
     arch = layout.architecture
-    if arch == QWEN3 and cfg.get("attention_bias", False):
+    if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias", False):
         raise ValueError(
-            f"attention_bias ({cfg['attention_bias']!r}) of {QWEN3} is not supported; "
+            f"attention_bias ({cfg['attention_bias']!r}) of {arch} is not supported; "
             "mega converts Qwen3 without attention biases (set attention_bias to false)"
         )
     act = cfg.get("hidden_act", "silu")
@@ -230,25 +238,21 @@ def check_convertible(config: GPTConfig) -> None:
                 f"GPTConfig.{field} ({value!r}) has no Llama-family equivalent; "
                 f"only {field}={want!r} converts to or from Hugging Face"
             )
-    if config.qk_norm and config.is_moe:
-        raise ValueError(
-            "GPTConfig.qk_norm (True) with MoE layers has no supported Hugging Face "
-            f"equivalent; only dense qk_norm models convert, as {QWEN3}"
-        )
 
 
 def _check_qwen3_export(config: GPTConfig, architecture: str) -> None:
-    """qk_norm is written as Qwen3 and only as Qwen3, without biases."""
-    if config.qk_norm != (architecture == QWEN3):
-        need = f"qk_norm={architecture == QWEN3}"
+    """qk_norm is written as Qwen3 / Qwen3-MoE and only as them, without biases."""
+    qwen3 = architecture in QK_NORM_ARCHITECTURES
+    if config.qk_norm != qwen3:
         raise ValueError(
             f"GPTConfig.qk_norm ({config.qk_norm}) cannot be written as {architecture}; "
-            f"export qk_norm models as {QWEN3} and others as another architecture ({need})"
+            f"export qk_norm models as {QWEN3} (dense) or {QWEN3_MOE} and others as another "
+            f"architecture (qk_norm={qwen3})"
         )
-    if architecture == QWEN3 and (config.add_bias or config.qkv_bias):
+    if qwen3 and (config.add_bias or config.qkv_bias):
         raise ValueError(
             f"GPTConfig.add_bias ({config.add_bias}) / qkv_bias ({config.qkv_bias}) cannot be "
-            f"written as {QWEN3}, which mega converts without biases; turn them off"
+            f"written as {architecture}, which mega converts without biases; turn them off"
         )
 
 
@@ -256,12 +260,12 @@ def default_architecture(config: GPTConfig) -> str:
     """The architecture ``config`` is written as when none is asked for.
 
     Dense: ``Qwen3ForCausalLM`` with ``qk_norm``, ``Qwen2ForCausalLM`` with ``qkv_bias``,
-    else ``LlamaForCausalLM``. MoE:
+    else ``LlamaForCausalLM``. MoE: ``Qwen3MoeForCausalLM`` with ``qk_norm``,
     ``MixtralForCausalLM`` when every layer is MoE, without shared expert and without
     ``qkv_bias``, else ``Qwen2MoeForCausalLM``.
     """
-    if not config.is_moe and config.qk_norm:
-        return QWEN3
+    if config.qk_norm:
+        return QWEN3_MOE if config.is_moe else QWEN3
     if not config.is_moe:
         return "Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM"
     everywhere = len(config.moe_layers) == config.num_layers
@@ -327,18 +331,18 @@ def hf_config_from_gpt(
         "dtype": dtype,
         "torch_dtype": dtype,
     })  # fmt: skip
-    if architecture in ("LlamaForCausalLM", "MistralForCausalLM", QWEN3):
+    if architecture in ("LlamaForCausalLM", "MistralForCausalLM", *QK_NORM_ARCHITECTURES):
         out["head_dim"] = config.head_dim  # Qwen3's default (128) is not hidden / heads
     elif out.get("head_dim") is not None:  # the others derive it unless it is given
         out["head_dim"] = config.head_dim
-    if architecture == QWEN3:
+    if architecture in QK_NORM_ARCHITECTURES:
         out["attention_bias"] = False
     if architecture == "LlamaForCausalLM":
         out["attention_bias"] = config.add_bias or config.qkv_bias
         out["mlp_bias"] = config.add_bias
     if architecture in ("MistralForCausalLM", MIXTRAL):
         out.setdefault("sliding_window", None)
-    if architecture in ("Qwen2ForCausalLM", QWEN3):
+    if architecture in ("Qwen2ForCausalLM", *QK_NORM_ARCHITECTURES):
         out["use_sliding_window"] = False
         out["sliding_window"] = None
     if architecture in ("Qwen2ForCausalLM", QWEN2_MOE, QWEN3):

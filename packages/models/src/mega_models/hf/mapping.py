@@ -8,13 +8,13 @@ Pure tensor arithmetic, no files. Four layouts differ between the two sides:
   their rows one by one (gate_0, up_0, gate_1, up_1, ...).
 * ``vocab`` — mega pads the vocabulary rows to a multiple of tp with zeros.
 * ``stack`` — HF keeps one tensor per expert and per projection (Mixtral
-  ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2`` (down), Qwen2-MoE
-  ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``); mega stacks them in
+  ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2`` (down), Qwen2-MoE and
+  Qwen3-MoE ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``); mega stacks them in
   leading dimensions: GroupedMLP ``weight1 [E, 2, f, h]`` (gate, then up) and ``weight2
   [E, h, f]``, a SequentialMLP expert's or the shared expert's ``weight1 [2, f, h]``.
   ``TensorMap.grid`` gives the leading dimensions; the HF names fill it row-major.
 
-Qwen3's ``self_attn.q_norm`` / ``k_norm`` (one scale per head dim, shared by all heads)
+Qwen3's (and Qwen3-MoE's) ``self_attn.q_norm`` / ``k_norm`` (one scale per head dim, shared by all heads)
 are mega's ``attention.q_norm`` / ``k_norm``, replicated over tp: copied whole.
 
 RoPE needs no permutation: HF-format Llama weights already use the rotate-half
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from mega_models.config import GPTConfig
 from mega_models.hf.config import HFLayout
+from mega_models.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 
 __all__ = [
     "TensorMap",
@@ -93,8 +94,9 @@ class _ExpertNames:
 
 
 _EXPERT_NAMES = {
-    "MixtralForCausalLM": _ExpertNames("block_sparse_moe", "w1", "w3", "w2", shared=False),
-    "Qwen2MoeForCausalLM": _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared=True),
+    MIXTRAL: _ExpertNames("block_sparse_moe", "w1", "w3", "w2", shared=False),
+    QWEN2_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared=True),
+    QWEN3_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared=False),
 }
 
 
@@ -125,8 +127,9 @@ def _has_bias(suffix: str, layout: HFLayout) -> bool:
 def _no_counterpart(mega_name: str, layout: HFLayout) -> ValueError:
     return ValueError(
         f"parameter {mega_name} has no Hugging Face counterpart in {layout.architecture}; "
-        "only GPTModels with rmsnorm, swiglu and rope convert, qk_norm as Qwen3ForCausalLM, "
-        "MoE layers as MixtralForCausalLM or Qwen2MoeForCausalLM (shared experts as the latter)"
+        "only GPTModels with rmsnorm, swiglu and rope convert, qk_norm as Qwen3ForCausalLM or "
+        "Qwen3MoeForCausalLM, MoE layers as MixtralForCausalLM, Qwen2MoeForCausalLM (shared "
+        "experts) or Qwen3MoeForCausalLM"
     )
 
 
