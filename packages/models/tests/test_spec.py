@@ -138,6 +138,7 @@ def test_one_stage_split_with_one_error_text() -> None:
 
 def test_the_hf_adapter_belongs_to_gpt(tmp_path: Path) -> None:
     assert hf_spec(tmp_path / "missing").name == "gpt"  # its reader says what is missing
-    assert spec_for("hybrid-tiny").hf is None
+    hybrid = spec_for("hybrid-tiny").hf  # Nemotron-H (mega_models.hf.nemotron_h)
+    assert hybrid is not None and hybrid.architectures == ("NemotronHForCausalLM",)
     hf = spec_for("tiny").hf
     assert hf is not None and "LlamaForCausalLM" in hf.architectures

@@ -43,7 +43,10 @@ class HybridConfig(GPTConfig):
     mamba_num_groups: int = 2
     """Groups sharing one B and one C (``ngroups``); tp must divide it."""
     mamba_expand: int = 2
-    """Inner width = ``mamba_expand * hidden_size``."""
+    """Inner width = ``mamba_expand * hidden_size`` unless ``mamba_inner_size`` is set."""
+    mamba_inner_size: int | None = None
+    """Inner width (``d_inner`` = Mamba heads x ``mamba_head_dim``) when it is not
+    ``mamba_expand * hidden_size`` (Nemotron-H gives its head count); None: the product."""
     mamba_conv_width: int = 4
     """Kernel size of the causal depthwise convolution (``d_conv``)."""
     mamba_chunk_size: int = 16
@@ -104,11 +107,17 @@ class HybridConfig(GPTConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        inner = self.mamba_inner_size
+        if inner is not None and (not isinstance(inner, int) or isinstance(inner, bool)
+                                  or inner < 1):  # fmt: skip
+            raise ValueError(f"mamba_inner_size ({inner!r}) must be a positive integer or None")
         if self.mamba_inner % self.mamba_head_dim:
+            width = (f"mamba_inner_size {inner}" if inner is not None else
+                     f"{self.mamba_expand} * {self.hidden_size} = {self.mamba_inner}")  # fmt: skip
             raise ValueError(
-                f"the Mamba inner width ({self.mamba_expand} * {self.hidden_size} = "
-                f"{self.mamba_inner}) is not divisible by mamba_head_dim ({self.mamba_head_dim}); "
-                "change mamba_head_dim or mamba_expand"
+                f"the Mamba inner width ({width}) is not divisible by mamba_head_dim "
+                f"({self.mamba_head_dim}); change mamba_head_dim or "
+                f"{'mamba_inner_size' if inner is not None else 'mamba_expand'}"
             )
         if self.mamba_num_heads % self.mamba_num_groups:
             raise ValueError(
@@ -130,6 +139,8 @@ class HybridConfig(GPTConfig):
     @property
     def mamba_inner(self) -> int:
         """Inner width of a Mamba layer (``d_inner``)."""
+        if self.mamba_inner_size is not None:
+            return self.mamba_inner_size
         return self.mamba_expand * self.hidden_size
 
     @property

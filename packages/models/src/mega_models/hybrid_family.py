@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from mega_models.config import GPTConfig
+from mega_models.hf.gather import gather_full_state
+from mega_models.hf.nemotron_h import (
+    check_nemotron_h_base,
+    load_nemotron_h_weights,
+    nemotron_h_config,
+    save_nemotron_h_checkpoint,
+)
+from mega_models.hf.nemotron_h_config import NEMOTRON_H
 from mega_models.hybrid import HybridModel
 from mega_models.hybrid_config import HybridConfig
 from mega_models.hybrid_flops import hybrid_flops_per_token, hybrid_matmul_params
 from mega_models.hybrid_sizes import HYBRID_SIZES
-from mega_models.spec import LayoutRequest, ModelSpec, check_common_layout
+from mega_models.spec import HFAdapter, LayoutRequest, ModelSpec, check_common_layout
 from mega_models.stages import StageSpec
 from mega_parallel_grid import ProcessGroups
 
@@ -95,6 +104,16 @@ def _adopt(base: GPTConfig, overrides: Mapping[str, Any], size: str) -> HybridCo
     return HybridConfig(**fields)
 
 
+def _config_from_hf(hf_dir: Path) -> HybridConfig:
+    return nemotron_h_config(hf_dir)
+
+
+def _check_base(config: GPTConfig, base: Path, way_out: str) -> None:
+    if not isinstance(config, HybridConfig):
+        raise TypeError(f"a {NEMOTRON_H} export needs a HybridConfig, got {type(config).__name__}")
+    check_nemotron_h_base(config, base, way_out)
+
+
 HYBRID_SPEC: ModelSpec[HybridConfig] = ModelSpec(
     name="hybrid",
     title="hybrid (Mamba)",
@@ -108,4 +127,12 @@ HYBRID_SPEC: ModelSpec[HybridConfig] = ModelSpec(
     extra_params=_extra_params,
     norms_per_layer=1,  # one pre-norm per layer
     adopt=_adopt,
+    hf=HFAdapter(
+        architectures=(NEMOTRON_H,),
+        config_from_hf=_config_from_hf,
+        load_weights=load_nemotron_h_weights,
+        gather_state=gather_full_state,
+        save=save_nemotron_h_checkpoint,
+        check_base_config=_check_base,
+    ),
 )

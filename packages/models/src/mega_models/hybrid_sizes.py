@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from mega_models.hybrid_config import HybridConfig
 
 __all__ = ["HYBRID_SIZES", "hybrid_config"]
@@ -27,6 +29,24 @@ HYBRID_SIZES: dict[str, HybridConfig] = {
         vocab_size=32000, hidden_size=2048, num_layers=35, pattern="M-M-M*-" * 5,
         num_attention_heads=16, num_query_groups=4, ffn_hidden_size=5632, max_seq_len=2048,
         mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8, mamba_chunk_size=128,
+    ),
+    # CPU Nemotron-H (NemotronHForCausalLM's computation): attention without positions,
+    # squared-ReLU MLPs without gate, dt clamped to (dt_min, inf) as transformers does.
+    "nemotron-h-tiny": HybridConfig(
+        vocab_size=257, hidden_size=64, num_layers=8, pattern="M-M*-M*-",
+        num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128, max_seq_len=256,
+        activation="relu2", position="none", mamba_state_dim=16, mamba_head_dim=16,
+        mamba_num_groups=2, mamba_chunk_size=16, mamba_dt_limit=(0.001, math.inf),
+    ),
+    # Nemotron-H-8B's shapes at hybrid-1b's width, vocabulary and depth class: the first
+    # half of its 52-layer pattern (12 Mamba, 2 attention, 12 MLP layers), head dim 128
+    # with 4:1 GQA, FFN 5.25 h, Mamba heads of 64 and 8 groups of state 128; ~0.9B
+    # parameters besides the embeddings.
+    "nemotron-h-1b": HybridConfig(
+        vocab_size=32000, hidden_size=2048, num_layers=26, pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-",
+        num_attention_heads=16, num_query_groups=4, ffn_hidden_size=10752, max_seq_len=8192,
+        activation="relu2", position="none", mamba_state_dim=128, mamba_head_dim=64,
+        mamba_num_groups=8, mamba_chunk_size=128, mamba_dt_limit=(0.001, math.inf),
     ),
 }  # fmt: skip
 
