@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
@@ -27,7 +29,7 @@ from mega_tp_layers import (
     ScaledNormal,
 )
 
-__all__ = ["SelfAttention"]
+__all__ = ["SelfAttention", "dropout_rng", "run_core"]
 
 
 def _core_replaying_rng_eager(
@@ -69,6 +71,33 @@ def _core_replaying_rng(
     if torch.compiler.is_compiling():
         return _core_replaying_rng_disabled()(core, q, k, v, seq_len, rng)
     return _core_replaying_rng_eager(core, q, k, v, seq_len, rng)
+
+
+def dropout_rng(rng: RNGStatesTracker | None, p: float) -> AbstractContextManager[object]:
+    """The tracked RNG's fork while attention dropout acts (heads differ per tp rank: so
+    must their masks), else nothing."""
+    return rng.fork() if p > 0.0 and rng is not None else contextlib.nullcontext()
+
+
+def run_core(
+    core: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_len: int,
+    recompute: bool,
+    rng: RNGStatesTracker | None,
+    dropout: float,
+) -> torch.Tensor:
+    """``core(q, k, v, seq_len)``, or recomputed in backward (selective recompute) with the
+    dropout masks of its forward replayed from the tracked RNG."""
+    if not recompute:
+        return core(q, k, v, seq_len)
+    if rng is not None and dropout > 0.0:
+        return _core_replaying_rng(core, q, k, v, seq_len, rng)
+    out = checkpoint(core, q, k, v, seq_len, use_reentrant=False)
+    assert isinstance(out, torch.Tensor)
+    return out
 
 
 class SelfAttention(nn.Module):
@@ -139,12 +168,7 @@ class SelfAttention(nn.Module):
             )
         else:
             p = self.dropout if self.training else 0.0
-            if p > 0.0 and self.rng is not None:
-                with self.rng.fork():  # heads differ per tp rank: so must their dropout
-                    out = F.scaled_dot_product_attention(
-                        q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.heads != self.kv_heads
-                    )
-            else:
+            with dropout_rng(self.rng, p):
                 out = F.scaled_dot_product_attention(
                     q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.heads != self.kv_heads
                 )
@@ -166,13 +190,8 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if self.recompute_core and self.training:
-            if self.rng is not None and self.dropout > 0.0:
-                out = _core_replaying_rng(self._core, q, k, v, seq_len, self.rng)
-            else:
-                out = checkpoint(self._core, q, k, v, seq_len, use_reentrant=False)
-        else:
-            out = self._core(q, k, v, seq_len)
+        recompute = self.recompute_core and self.training
+        out = run_core(self._core, q, k, v, seq_len, recompute, self.rng, self.dropout)
         out = out.reshape(s, b, self.heads * self.head_dim)
         result: torch.Tensor = self.proj(out)  # [s, b, n d / tp] -> [s(/tp), b, h]
         return result

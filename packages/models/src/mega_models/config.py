@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from mega_models.attention_config import check_attention, yarn_mscale
 from mega_moe import MoEConfig, RouterConfig
 
 __all__ = ["MOE_LAYER_LETTERS", "GPTConfig"]
@@ -45,6 +47,40 @@ class GPTConfig:
     """Longest sequence (size of the learned position table; bound for RoPE caches)."""
     qk_norm: bool = False
     """RMS-normalise queries and keys per head before attention."""
+    kv_channels: int | None = None
+    """Width of one attention head when it is not hidden_size / num_attention_heads
+    (Hugging Face's head_dim, e.g. 128 for Qwen3-0.6B's 16 heads of a 1024 stream);
+    None derives it. Standard attention only."""
+    attention: Literal["mha", "mla"] = "mha"
+    """Standard multi-head attention (with GQA/MQA through num_query_groups), or DeepSeek's
+    multi-head latent attention (q_lora_rank, kv_lora_rank and the qk/v head dims)."""
+    q_lora_rank: int | None = None
+    """MLA: width of the query's low-rank latent (down-projection, RMSNorm, up-projection);
+    None projects the query directly (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int | None = None
+    """MLA: width of the shared key/value latent (DeepSeek-V3: 512)."""
+    qk_nope_head_dim: int | None = None
+    """MLA: per-head query/key width without position (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: int | None = None
+    """MLA: per-head query width with rope, and of the one rope key all heads share (64)."""
+    v_head_dim: int | None = None
+    """MLA: per-head value width (DeepSeek-V3: 128)."""
+    rope_scaling_factor: float | None = None
+    """YaRN context extension (DeepSeek's rope_scaling ``factor``; MLA only): rope
+    frequencies interpolated by this factor outside the fast band; None is plain rope."""
+    rope_original_max_position: int | None = None
+    """YaRN: the context length the model was trained at before extension
+    (``original_max_position_embeddings``); needed with rope_scaling_factor."""
+    rope_beta_fast: float = 32.0
+    """YaRN: rotations above which a frequency is kept as is (``beta_fast``)."""
+    rope_beta_slow: float = 1.0
+    """YaRN: rotations below which a frequency is fully interpolated (``beta_slow``)."""
+    rope_mscale: float = 1.0
+    """YaRN: ``mscale``; cos and sin are scaled by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim)."""
+    rope_mscale_all_dim: float = 0.0
+    """YaRN: ``mscale_all_dim``; when non-zero the softmax scale is multiplied by
+    mscale(factor, mscale_all_dim) ** 2 (0: not)."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer."""
     add_bias: bool = False
@@ -121,10 +157,15 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
-        if self.hidden_size % self.num_attention_heads:
+        if (
+            self.kv_channels is None
+            and self.attention == "mha"
+            and (self.hidden_size % self.num_attention_heads)
+        ):
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
-                f"({self.num_attention_heads}); choose a multiple of the head count"
+                f"({self.num_attention_heads}); choose a multiple of the head count, or set "
+                "kv_channels"
             )
         groups = self.kv_heads
         if groups < 1 or self.num_attention_heads % groups:
@@ -147,9 +188,11 @@ class GPTConfig:
             raise ValueError(f"mtp_num_layers ({m!r}) must be a non-negative integer; 0 is off")
         if not self.mtp_loss_scale >= 0.0:
             raise ValueError(f"mtp_loss_scale ({self.mtp_loss_scale!r}) must be >= 0")
-        if self.position == "rope" and self.head_dim % 2:
+        check_attention(self)
+        if self.position == "rope" and self.rope_dim % 2:
             raise ValueError(
-                f"head dim ({self.head_dim}) must be even for rope; change hidden_size or heads"
+                f"the rope head dim ({self.rope_dim}) must be even for rope; change "
+                "hidden_size, heads, kv_channels or qk_rope_head_dim"
             )
         if self.add_bias and self.qkv_bias:
             raise ValueError(
@@ -247,8 +290,32 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
+        """Width of one query/key head: kv_channels or hidden / heads (MHA), qk_nope +
+        qk_rope (MLA)."""
+        if self.attention == "mla":
+            return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def v_dim(self) -> int:
+        """Width of one value head (the head dim, or MLA's v_head_dim)."""
+        return self.v_head_dim or 0 if self.attention == "mla" else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Width that rope rotates: the whole head (MHA) or MLA's qk_rope_head_dim."""
+        return self.qk_rope_head_dim or 0 if self.attention == "mla" else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention's score scale: 1/sqrt(head dim), times YaRN's mscale(factor,
+        mscale_all_dim) ** 2 when rope scaling sets mscale_all_dim."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if self.rope_scaling_factor is not None and self.rope_mscale_all_dim:
+            scale *= yarn_mscale(self.rope_scaling_factor, self.rope_mscale_all_dim) ** 2
+        return scale
 
     @property
     def kv_heads(self) -> int:

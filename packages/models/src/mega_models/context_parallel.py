@@ -114,31 +114,36 @@ def context_parallel_attention(
     cp_group: ProcessGroup,
     seq_len: int,
     method: Literal["ring", "all_gather"] = "ring",
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's zig-zag share of the sequence.
 
-    ``q`` is ``[b, n, s/cp, d]``, ``k`` and ``v`` are ``[b, n_kv, s/cp, d]`` (GQA: n_kv
-    divides n), all in the local zig-zag order; returns ``[b, n, s/cp, d]`` in q's dtype.
+    ``q`` is ``[b, n, s/cp, d]``, ``k`` is ``[b, n_kv, s/cp, d]`` and ``v`` is
+    ``[b, n_kv, s/cp, d_v]`` (GQA: n_kv divides n; MLA: d_v may differ from d), all in the
+    local zig-zag order; returns ``[b, n, s/cp, d_v]`` in q's dtype. ``scale`` multiplies
+    the scores (default ``1/sqrt(d)``). K and V travel as one ``[.., d + d_v]`` message.
     """
     cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     groups = q.shape[1] // k.shape[1]
-    scale = q.shape[-1] ** -0.5
+    d = k.shape[-1]
+    scale = d**-0.5 if scale is None else scale
     q_pos = zigzag_positions(seq_len, cp, rank, device=q.device)
-    kv = torch.stack([k, v])  # [2, b, n_kv, s/cp, d]: one message per exchange
+    kv = torch.cat([k, v], dim=-1)  # [b, n_kv, s/cp, d + d_v]: one message per exchange
     if method == "all_gather":
-        gathered = _AllGatherSeq.apply(kv.permute(3, 0, 1, 2, 4), cp_group)  # [s, 2, b, n_kv, d]
-        k_all, v_all = gathered.permute(1, 2, 3, 0, 4)
+        gathered: torch.Tensor = _AllGatherSeq.apply(kv.permute(2, 0, 1, 3), cp_group)
+        # [s, b, n_kv, d + d_v] -> [b, n_kv, s, d], [b, n_kv, s, d_v]
+        k_all, v_all = torch.split(gathered.permute(1, 2, 0, 3), [d, v.shape[-1]], dim=-1)
         k_pos = torch.cat([zigzag_positions(seq_len, cp, r, device=q.device) for r in range(cp)])
         mask = q_pos[:, None] >= k_pos[None, :]
         return F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=mask, enable_gqa=groups > 1
+            q, k_all, v_all, attn_mask=mask, enable_gqa=groups > 1, scale=scale
         )
     if method != "ring":
         raise ValueError(f"context-parallel method ({method!r}) must be 'ring' or 'all_gather'")
     out = total = running_max = None
     for step in range(cp):
         src = (rank - step) % cp
-        k_blk, v_blk = kv[0], kv[1]
+        k_blk, v_blk = torch.split(kv, [d, v.shape[-1]], dim=-1)
         if groups > 1:
             k_blk = k_blk.repeat_interleave(groups, dim=1)
             v_blk = v_blk.repeat_interleave(groups, dim=1)

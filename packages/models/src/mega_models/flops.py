@@ -7,6 +7,7 @@ from mega_moe import moe_activated_params
 
 __all__ = [
     "activated_matmul_params",
+    "attention_norm_params",
     "attention_params",
     "ffn_params",
     "forward_flops_per_token",
@@ -17,10 +18,28 @@ __all__ = [
 
 
 def attention_params(config: GPTConfig) -> int:
-    """Matmul weights of one attention layer: the fused QKV and the output projection."""
-    h, hd = config.hidden_size, config.head_dim
-    qkv = h * (config.num_attention_heads + 2 * config.kv_heads) * hd
-    return qkv + config.num_attention_heads * hd * h
+    """Matmul weights of one attention layer: the fused QKV and the output projection, or
+    MLA's q (down and up, or one projection), kv down (latent + rope key), kv up and output."""
+    c, h, n = config, config.hidden_size, config.num_attention_heads
+    if c.attention == "mla":
+        assert c.kv_lora_rank is not None and c.qk_rope_head_dim is not None
+        q_out = n * c.head_dim
+        q = h * q_out if c.q_lora_rank is None else c.q_lora_rank * (h + q_out)
+        kv_down = h * (c.kv_lora_rank + c.qk_rope_head_dim)
+        kv_up = c.kv_lora_rank * n * (c.head_dim - c.qk_rope_head_dim + c.v_dim)
+        return q + kv_down + kv_up + n * c.v_dim * h
+    hd = c.head_dim
+    qkv = h * (n + 2 * c.kv_heads) * hd
+    return qkv + n * hd * h
+
+
+def attention_norm_params(config: GPTConfig) -> int:
+    """Norm weights inside one MLA layer: its latent norms (0 for standard attention)."""
+    c = config
+    if c.attention != "mla":
+        return 0
+    assert c.kv_lora_rank is not None
+    return c.kv_lora_rank + (c.q_lora_rank or 0)
 
 
 def ffn_params(config: GPTConfig, ffn: int) -> int:
@@ -66,10 +85,13 @@ def forward_flops_per_token(config: GPTConfig, seq_len: int) -> float:
     """Forward FLOPs per token: 2 per activated matmul weight, plus QK^T and AV over s x s.
 
     Attention is counted over the full square (the PaLM/Megatron convention the peers use),
-    so causal masking is not discounted. MoE layers count only the experts a token is
-    routed to (top-k, without dropping or padding), the router and the shared experts.
+    so causal masking is not discounted: ``2 s n (d_qk + d_v)`` per layer (MLA's qk head
+    is ``qk_nope + qk_rope`` wide, its value ``v_head_dim``). MoE layers count only the
+    experts a token is routed to (top-k, without dropping or padding), the router and the
+    shared experts.
     """
-    attn = 2 * 2 * seq_len * config.num_attention_heads * config.head_dim * config.num_layers
+    dims = config.head_dim + config.v_dim
+    attn = 2 * seq_len * config.num_attention_heads * dims * config.num_layers
     return 2.0 * activated_matmul_params(config) + attn
 
 

@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 
 from mega_models.attention import SelfAttention
 from mega_models.config import GPTConfig
+from mega_models.mla import MultiLatentAttention
 from mega_models.mlp import MLP
 from mega_models.norms import Norm
 from mega_moe import MoELayer
@@ -54,7 +55,8 @@ class TransformerLayer(nn.Module):
     shares over ``tp_cp_group`` (the ranks holding parts of the same sequences) and enter
     backward through its output, with gradient ``mlp.aux_loss_scale`` (1 by default: the
     loss is the language-model loss plus the router losses). ``fp8`` runs the attention and
-    dense MLP GEMMs in FP8 (MoE experts stay in high precision).
+    dense MLP GEMMs in FP8 (MoE experts stay in high precision). ``config.attention``
+    picks :class:`SelfAttention` (``mha``) or :class:`MultiLatentAttention` (``mla``).
     """
 
     def __init__(
@@ -81,7 +83,8 @@ class TransformerLayer(nn.Module):
         norm_kw: dict[str, Any] = {"tp_group": tp_group, "partial_grads": sequence_parallel,
                                    "device": device, "dtype": dtype}  # fmt: skip
         self.input_norm = Norm(c.hidden_size, c.norm, c.norm_eps, **norm_kw)
-        self.attention = SelfAttention(
+        attention = MultiLatentAttention if c.attention == "mla" else SelfAttention
+        self.attention: SelfAttention | MultiLatentAttention = attention(
             c, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel,
             cp_method=cp_method, recompute_core=recompute_core, rng=rng, device=device, dtype=dtype,
             fp8=fp8, tp_comm_overlap=tp_comm_overlap,

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from mega_models.config import GPTConfig
+from mega_models.flops import attention_norm_params
 from mega_models.stages import StageSpec
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 
@@ -165,6 +166,7 @@ class ModelSpec(Generic[C]):
         h, vocab = config.hidden_size, config.vocab_size
         norms = (self.norms_per_layer * config.num_layers + 1) * h
         norms *= 2 if config.norm == "layernorm" else 1
+        norms += config.num_layers * attention_norm_params(config)
         positions = config.max_seq_len * h if config.position == "learned" else 0
         output = 0 if config.tie_embeddings else vocab * h
         layers = self.matmul_params(config) - vocab * h + self.extra_params(config)

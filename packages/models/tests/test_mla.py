@@ -1,0 +1,308 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) and an explicit head width (kv_channels).
+
+The GPT contract (``test_gpt_contract._contract``: parameters, per-token losses and every
+gradient of the parallel model equal the single-process model's, fp32, the rounding bound
+of the model's chain of sums) on an MLA model at tp 2, tp 2 and 4 with sequence parallel,
+cp 2 ring and all-gather, and the plain-q variant; MLA against transformers'
+``DeepseekV3Attention`` (YaRN, interleaved rope weights permuted on the way in);
+context-parallel attention with a value head narrower than the qk head; the exact
+parameter and FLOP counts; each bad configuration's sentence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from test_gpt_contract import _contract
+
+from mega_models import GPTConfig, GPTModel, matmul_params, model_config, spec_for
+from mega_models.context_parallel import context_parallel_attention, zigzag_split
+from mega_models.flops import forward_flops_per_token
+from mega_models.mla import MultiLatentAttention, latent_sdpa
+from mega_models.rope import rope_for, yarn_inv_freq
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device, solo_groups
+
+# tiny's dims (hidden 64, 8 heads, 8 layers); qk head 8 + 4 = 12 wider than the value head 6
+MLA: dict[str, Any] = {
+    "attention": "mla", "num_query_groups": None, "q_lora_rank": 32, "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+}  # fmt: skip
+PLAIN_Q: dict[str, Any] = {**MLA, "q_lora_rank": None}
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "sp", "method", "changes"),
+    [
+        (2, 1, False, "ring", MLA),
+        (2, 1, True, "ring", MLA),
+        (4, 1, True, "ring", MLA),
+        (1, 2, False, "ring", MLA),
+        (1, 2, False, "all_gather", MLA),
+        (2, 1, True, "ring", PLAIN_Q),
+        (2, 1, False, "ring", {"kv_channels": 16}),  # 8 heads of 16 on a 64-wide stream
+    ],
+    ids=["tp2", "tp2-sp", "tp4-sp", "cp2-ring", "cp2-all_gather", "plain-q-tp2-sp", "kv16-tp2"],
+)
+def test_mla_layouts_match_single_process(
+    dist_pool: DistPool, tp: int, cp: int, sp: bool, method: str, changes: dict[str, object]
+) -> None:
+    dist_pool.run(_contract, tp * cp, args=(tp, cp, sp, method, changes))
+
+
+def _check_cp_unequal_dims(method: str) -> None:
+    """cp 2 attention with d_v (6) < d_qk (12) and a non-default scale equals full SDPA."""
+    cp, rank, dev = dist.get_world_size(), dist.get_rank(), rank_device()
+    b, n, s, d, dv, scale = 2, 4, 16, 12, 6, 0.3
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(b, n, s, d, generator=gen), torch.randn(b, n, s, d, generator=gen)
+    v, grad_out = torch.randn(b, n, s, dv, generator=gen), torch.randn(b, n, s, dv, generator=gen)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=scale)
+    ref.backward(grad_out)
+    local = [zigzag_split(t, cp, rank, dim=2).to(dev).requires_grad_() for t in (q, k, v)]
+    world: dist.ProcessGroup = dist.group.WORLD  # type: ignore[assignment]
+    out = context_parallel_attention(*local, cp_group=world, seq_len=s, method=method, scale=scale)
+    out.backward(zigzag_split(grad_out, cp, rank, dim=2).to(dev))
+    n_sums = 2 * (d + 2 * s)
+    assert out.shape == (b, n, s // cp, dv)
+    assert_close_to_reference(
+        out, zigzag_split(ref, cp, rank, dim=2), reduction_length=n_sums, name=f"{method} output"
+    )
+    for what, mine, whole in zip("qkv", local, full, strict=True):
+        assert mine.grad is not None and whole.grad is not None
+        assert_close_to_reference(
+            mine.grad, zigzag_split(whole.grad, cp, rank, dim=2), reduction_length=n_sums,
+            name=f"{method}: {what} grad",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["ring", "all_gather"])
+def test_cp_attention_with_value_head_narrower_than_qk(dist_pool: DistPool, method: str) -> None:
+    dist_pool.run(_check_cp_unequal_dims, 2, args=(method,))
+
+
+def test_latent_sdpa_with_unequal_head_dims_is_plain_attention() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 10, d, generator=gen) for d in (12, 12, 6))
+    scores = (q @ k.transpose(-1, -2)) * 0.25
+    scores = scores.masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))
+    expected = scores.softmax(-1) @ v
+    assert_close_to_reference(
+        latent_sdpa(q, k, v, scale=0.25), expected, reduction_length=12 + 10, name="sdpa"
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the padded flash path needs CUDA")
+def test_latent_sdpa_padded_on_cuda_matches_fp32() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 128, d, generator=gen).cuda() for d in (192, 192, 128))
+    ref = latent_sdpa(q, k, v, scale=192**-0.5)
+    half = latent_sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale=192**-0.5)
+    assert half.shape == ref.shape
+    torch.testing.assert_close(half.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _interleaved_to_halves(weight: torch.Tensor, per_head: int, nope: int) -> torch.Tensor:
+    """HF DeepSeek rope rows (pairs 2i, 2i+1) -> mega's rotate-half rows (evens, then odds)."""
+    w = weight.view(-1, per_head, weight.shape[-1])
+    rope = w[:, nope:]
+    rope = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
+    return torch.cat([w[:, :nope], rope], dim=1).reshape(weight.shape)
+
+
+def _hf_attention_check(q_lora: int | None, mscale: float) -> None:
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention,
+        DeepseekV3RotaryEmbedding,
+    )
+
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": mscale, "mscale_all_dim": 1.0}  # fmt: skip
+    hf = DeepseekV3Config(
+        hidden_size=64, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=q_lora,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **yarn},
+    )  # fmt: skip
+    hf._attn_implementation = "sdpa"
+    assert hf.rope_interleave
+    torch.manual_seed(0)
+    ref = DeepseekV3Attention(hf, 0).eval()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    c = GPTConfig(
+        hidden_size=64, num_attention_heads=8, num_layers=2, max_seq_len=64, norm_eps=1e-6,
+        **{**MLA, "q_lora_rank": q_lora}, rope_scaling_factor=4.0, rope_original_max_position=16,
+        rope_mscale=mscale, rope_mscale_all_dim=1.0,
+    )  # fmt: skip
+    groups = solo_groups()
+    mine = MultiLatentAttention(c, tp_group=groups.tp, cp_group=groups.cp, sequence_parallel=False)
+    with torch.no_grad():
+        if q_lora is None:
+            mine.q_up.weight.copy_(_interleaved_to_halves(ref.q_proj.weight, 12, 8))
+        else:
+            assert mine.q_down is not None and mine.q_norm is not None
+            mine.q_down.weight.copy_(ref.q_a_proj.weight)
+            mine.q_norm.weight.copy_(ref.q_a_layernorm.weight)
+            mine.q_up.weight.copy_(_interleaved_to_halves(ref.q_b_proj.weight, 12, 8))
+        mine.kv_down.weight.copy_(_interleaved_to_halves(ref.kv_a_proj_with_mqa.weight, 20, 16))
+        mine.kv_norm.weight.copy_(ref.kv_a_layernorm.weight)
+        mine.kv_up.weight.copy_(ref.kv_b_proj.weight)
+        mine.proj.weight.copy_(ref.o_proj.weight)
+    s, b = 40, 2  # longer than the original 16 positions: YaRN's interpolated band matters
+    x = torch.randn(b, s, 64, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(s)
+    tables = rope_for(c, positions, torch.float32)
+    assert tables is not None
+    hf_cos, hf_sin = DeepseekV3RotaryEmbedding(hf)(x, positions[None].expand(b, s))
+    assert_close_to_reference(tables[0][:, 0, 0], hf_cos[0], reduction_length=1, name="cos")
+    assert_close_to_reference(tables[1][:, 0, 0], hf_sin[0], reduction_length=1, name="sin")
+    # d 4, theta 1e4: frequencies 1 and 1/100; the fast one turns 16/2pi > beta_slow times
+    # over the original 16 positions, so only the slow one is interpolated (by the factor 4)
+    inv = yarn_inv_freq(4, 10000.0, 4.0, 16)
+    torch.testing.assert_close(inv, torch.tensor([1.0, 0.01 / 4]), rtol=1e-6, atol=0)
+    assert math.isclose(c.softmax_scale, ref.scaling, rel_tol=1e-12)
+    assert c.softmax_scale > 12**-0.5  # mscale(4, 1)^2 = (0.1 ln 4 + 1)^2
+    expected, _ = ref(x, (hf_cos, hf_sin), None)
+    out = mine(x.transpose(0, 1), tables, s).transpose(0, 1)  # [b, s, h] <-> [s, b, h]
+    assert_close_to_reference(out, expected, reduction_length=4 * 64 + s, name="output")
+
+
+@pytest.mark.parametrize(
+    ("q_lora", "mscale"), [(32, 1.0), (None, 0.707)], ids=["q-lora", "plain-q"]
+)
+def test_mla_matches_transformers_deepseek_v3_attention_with_yarn(
+    dist_pool: DistPool, q_lora: int | None, mscale: float
+) -> None:
+    dist_pool.run(_hf_attention_check, 1, args=(q_lora, mscale))
+
+
+def _count_params(config: GPTConfig) -> int:
+    model = GPTModel(config, solo_groups(), seed=1, device="meta")
+    return sum(p.numel() for p in model.parameters())
+
+
+def _param_count_check() -> None:
+    for q_lora in (32, None):
+        c = GPTConfig(
+            vocab_size=100, hidden_size=64, num_layers=2, num_attention_heads=8,
+            ffn_hidden_size=96, **{**MLA, "q_lora_rank": q_lora},
+        )  # fmt: skip
+        h, n, layers = 64, 8, 2
+        q = 32 * h + 32 * n * 12 if q_lora else h * n * 12  # q down + up, or one projection
+        attention = q + h * (16 + 4) + 16 * n * (8 + 6) + n * 6 * h  # kv down, kv up, out
+        mlp = 3 * h * 96
+        assert matmul_params(c) == layers * (attention + mlp) + h * 100
+        latent_norms = 16 + (32 if q_lora else 0)
+        norms = layers * (2 * h + latent_norms) + h
+        assert spec_for(c).total_params(c) == matmul_params(c) + 100 * h + norms
+        assert spec_for(c).total_params(c) == _count_params(c)
+        seq = 32
+        attn_flops = 2 * seq * n * (12 + 6) * layers  # QK^T over d_qk, AV over d_v
+        assert forward_flops_per_token(c, seq) == 2 * matmul_params(c) + attn_flops
+
+
+def test_mla_parameter_and_flop_counts_are_exact(dist_pool: DistPool) -> None:
+    dist_pool.run(_param_count_check, 1)
+
+
+def test_explicit_head_width() -> None:
+    c = model_config("tiny").replace(kv_channels=16)
+    assert (c.head_dim, c.v_dim, c.rope_dim) == (16, 16, 16)
+    assert model_config("tiny").head_dim == 8
+    odd = GPTConfig(hidden_size=60, num_attention_heads=8, kv_channels=8)  # 60 / 8 needs it
+    assert odd.head_dim == 8
+    m = GPTConfig(**MLA)  # type: ignore[arg-type]
+    assert (m.head_dim, m.v_dim, m.rope_dim) == (12, 6, 4)
+
+
+def _error(**changes: object) -> str:
+    with pytest.raises(ValueError) as err:
+        GPTConfig(**changes)  # type: ignore[arg-type]
+    text = str(err.value)
+    assert text.count(". ") == 0 and "\n" not in text, text  # one sentence
+    return text
+
+
+def test_bad_attention_settings_fail_in_one_sentence() -> None:
+    assert _error(attention="gqa") == "attention ('gqa') must be 'mha' or 'mla'"
+    assert _error(attention="mla", kv_lora_rank=16) == (
+        "attention 'mla' needs qk_nope_head_dim, qk_rope_head_dim, v_head_dim; set them "
+        "(DeepSeek-V3: kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128)"
+    )
+    assert _error(kv_lora_rank=16) == (
+        "kv_lora_rank is a setting of multi-head latent attention; set attention = 'mla' or "
+        "leave it unset"
+    )
+    assert _error(**{**MLA, "v_head_dim": 0}) == "v_head_dim (0) must be a positive integer"
+    assert _error(**{**MLA, "num_query_groups": 4}) == (
+        "MLA gives every query head its own key and value, so num_query_groups (4) must be "
+        "unset or num_attention_heads (8)"
+    )
+    bias = (
+        "attention 'mla' has no biases on its projections (and add_bias would put them "
+        "there); set add_bias and qkv_bias to false"
+    )
+    assert _error(**MLA, add_bias=True) == bias
+    assert _error(**MLA, qkv_bias=True) == bias
+    assert _error(**MLA, qk_norm=True) == (
+        "attention 'mla' normalises its q and kv latents, not per-head q and k; set qk_norm "
+        "to false"
+    )
+    assert _error(**MLA, position="learned") == (
+        "attention 'mla' rotates its decoupled rope key, so position ('learned') must be 'rope'"
+    )
+    assert _error(**{**MLA, "qk_rope_head_dim": 5}) == (
+        "the rope head dim (5) must be even for rope; change hidden_size, heads, kv_channels "
+        "or qk_rope_head_dim"
+    )
+    assert _error(**MLA, kv_channels=16).startswith("kv_channels (16) sets the head width")
+    assert _error(kv_channels=0) == "kv_channels (0) must be a positive integer"
+    assert _error(hidden_size=60) == (
+        "hidden_size (60) is not divisible by num_attention_heads (8); choose a multiple of "
+        "the head count, or set kv_channels"
+    )
+
+
+def test_bad_yarn_settings_fail_in_one_sentence() -> None:
+    assert _error(rope_scaling_factor=4.0) == (
+        "rope_scaling_factor (4.0) is DeepSeek's YaRN scaling, built for attention 'mla'; set "
+        "attention = 'mla' or leave it unset"
+    )
+    assert _error(**MLA, rope_scaling_factor=4.0) == (
+        "rope_scaling_factor (4.0) needs rope_original_max_position, the context length "
+        "before extension (DeepSeek-V3: 4096)"
+    )
+    yarn = {**MLA, "rope_scaling_factor": 4.0, "rope_original_max_position": 16}
+    assert _error(**{**yarn, "rope_scaling_factor": 0.5}) == (
+        "rope_scaling_factor (0.5) must be a number >= 1, or None"
+    )
+    assert _error(**yarn, rope_beta_fast=1.0) == (
+        "YaRN needs rope_beta_fast (1.0) > rope_beta_slow (1.0) > 0 (DeepSeek-V3: 32 and 1)"
+    )
+    assert _error(**yarn, rope_mscale=-1.0) == "rope_mscale (-1.0) must be >= 0"
+    assert _error(rope_original_max_position=16) == (
+        "rope_original_max_position (16) is a YaRN setting; set rope_scaling_factor too, or "
+        "leave it unset"
+    )
+
+
+def _tp_error() -> None:
+    from mega_parallel_grid import ParallelConfig, init_process_groups
+
+    groups = init_process_groups(ParallelConfig(tp=2))
+    c = model_config("tiny").replace(**{**MLA, "num_attention_heads": 3, "hidden_size": 66})
+    with pytest.raises(
+        ValueError, match=r"^num_attention_heads \(3\) is not divisible by tp \(2\)"
+    ):
+        GPTModel(c, groups, device="meta")
+
+
+def test_mla_heads_not_divisible_by_tp_fail_in_one_sentence(dist_pool: DistPool) -> None:
+    dist_pool.run(_tp_error, 2)
