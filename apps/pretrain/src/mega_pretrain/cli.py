@@ -43,7 +43,7 @@ __all__ = ["main"]
 #: Each command and its line in ``--help``.
 _COMMANDS = {
     "train": "train a model from a config file and --SECTION.FIELD settings (the default)",
-    "preprocess": "tokenize text or JSONL files into an indexed token file (PREFIX.bin/.idx)",
+    "preprocess": "tokenize text, JSONL, parquet or arrow files into PREFIX.bin/.idx",
     "inspect": "summarise a checkpoint (step, layout, files; --tensors: every tensor)",
     "plot": "draw the loss curves of run folders into a PNG",
     "convert": "import a Hugging Face checkpoint into a run folder, or export one to it",
@@ -165,17 +165,29 @@ def _train(argv: Sequence[str], console: Console, prog: str = "mega-pretrain tra
 
 def _preprocess(argv: Sequence[str], console: Console) -> int:
     parser = argparse.ArgumentParser(prog="mega-pretrain preprocess")
-    parser.add_argument("inputs", nargs="+", help="text or JSONL files, or directories")
+    parser.add_argument(
+        "inputs", nargs="+",
+        help="text, JSONL (.gz/.bz2/.xz/.zst too), parquet or arrow files, or directories",
+    )  # fmt: skip
     parser.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin/.idx)")
     parser.add_argument("--tokenizer", default="byte", help="byte, hf:PATH or tiktoken:PATH")
-    parser.add_argument("--jsonl-key", default="text", help="field of each JSONL line")
+    parser.add_argument(
+        "--text-key", "--jsonl-key", dest="text_key", default="text",
+        help="JSON field or parquet/arrow column holding the text",
+    )  # fmt: skip
     parser.add_argument("--no-eod", action="store_true", help="do not end documents with EOD")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    parser.add_argument(
+        "--shard-mb", type=float, default=None,
+        help="input MiB per output shard (default: a 64th of the input, 1 to 64)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    shard = None if args.shard_mb is None else max(1, int(args.shard_mb * 2**20))
     from mega_pretrain.data import preprocess
 
     stats = preprocess(
-        args.inputs, args.output, args.tokenizer, jsonl_key=args.jsonl_key,
-        append_eod=not args.no_eod, progress=console.is_terminal,
+        args.inputs, args.output, args.tokenizer, jsonl_key=args.text_key,
+        append_eod=not args.no_eod, workers=args.workers, shard_bytes=shard,
     )  # fmt: skip
     console.print(str(stats), markup=False, highlight=False)
     return 0

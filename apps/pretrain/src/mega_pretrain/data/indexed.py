@@ -29,9 +29,11 @@ begins with Megatron's ``MMIDIDX`` magic is recognised by it (no flag), checked 
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 import secrets
+import shutil
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,7 +129,7 @@ class IndexedTokenWriter:
         self.vocab_size = vocab_size
         self.eod_id = eod_id
         self.dtype = token_dtype(vocab_size)
-        self._offsets: list[int] = [0]
+        self._offsets = array.array("q", [0])  # 8 bytes a document, not a list's 36
         self._tmp_bin, bin_file = _create_temp(self.bin_path)
         self._bin: BinaryIO | None = bin_file
         self._tmp_idx: Path | None = None
@@ -142,11 +144,24 @@ class IndexedTokenWriter:
 
     def add_document(self, tokens: Sequence[int] | npt.NDArray[Any]) -> None:
         """Append one document (it may be empty)."""
-        if self._bin is None:
-            raise RuntimeError(f"writer for {self.bin_path} is already closed")
         ids = np.asarray(tokens)
         if ids.ndim != 1:
             raise ValueError(f"a document must be a 1-D sequence of ids, got shape {ids.shape}")
+        self.add_documents(ids, [ids.size])
+
+    def add_documents(
+        self, tokens: npt.NDArray[Any], lengths: Sequence[int] | npt.NDArray[Any]
+    ) -> None:
+        """Append ``len(lengths)`` documents stored back to back in ``tokens`` (1-D)."""
+        if self._bin is None:
+            raise RuntimeError(f"writer for {self.bin_path} is already closed")
+        ids = np.asarray(tokens)
+        sizes = np.asarray(lengths, dtype=np.int64)
+        if ids.ndim != 1 or sizes.ndim != 1 or int(sizes.sum()) != ids.size or np.any(sizes < 0):
+            raise ValueError(
+                f"documents of lengths summing to {int(sizes.sum())} do not cut {ids.size} "
+                "tokens; give 1-D ids and non-negative lengths that add up to their count"
+            )
         if ids.size:
             if not np.issubdtype(ids.dtype, np.integer):
                 raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
@@ -158,7 +173,26 @@ class IndexedTokenWriter:
                     "the tokenizer and vocab_size disagree"
                 )
             self._bin.write(ids.astype(self.dtype, copy=False).tobytes())
-        self._offsets.append(self._offsets[-1] + int(ids.size))
+        ends = self._offsets[-1] + np.cumsum(sizes, dtype=np.int64)
+        self._offsets.frombytes(ends.astype(np.int64, copy=False).tobytes())
+
+    def add_indexed(self, source: IndexedTokenDataset) -> None:
+        """Append every document of a mega token file of this vocabulary, copying its
+        ``.bin`` bytes as they are (how preprocess merges its shards)."""
+        if self._bin is None:
+            raise RuntimeError(f"writer for {self.bin_path} is already closed")
+        if source.header.format != "mega" or source.header.dtype != self.dtype:
+            raise ValueError(
+                f"{source.prefix} ({source.header.format}, {source.header.dtype}) cannot be "
+                f"appended as is to a {self.dtype} mega token file; re-tokenize it"
+            )
+        with open(source.bin_path, "rb") as f:
+            shutil.copyfileobj(f, self._bin, 16 << 20)
+        base = self._offsets[-1]
+        offsets = source.doc_offsets
+        for start in range(1, offsets.size, 1 << 20):  # chunked: no copy of a large index
+            chunk = np.asarray(offsets[start : start + (1 << 20)], dtype=np.int64) + base
+            self._offsets.frombytes(chunk.tobytes())
 
     def finalize(self) -> IndexHeader:
         """Write the index and move both files into place; returns the header written."""
@@ -193,7 +227,7 @@ class IndexedTokenWriter:
                         header.fingerprint,
                     )
                 )
-                f.write(np.asarray(self._offsets, dtype="<i8").tobytes())
+                f.write(np.frombuffer(self._offsets, dtype=np.int64).astype("<i8").tobytes())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(self._tmp_bin, self.bin_path)

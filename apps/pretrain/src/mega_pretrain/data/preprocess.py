@@ -1,40 +1,61 @@
-"""Preprocessing: text, JSONL or folders of files -> one indexed token file pair.
+"""Preprocessing: text, JSONL, parquet or arrow files, or folders of them -> one indexed token
+file pair, tokenized by N worker processes into shards that a stopped run resumes from.
 
-A ``.txt``, ``.md`` or ``.py`` file is one document; a ``.jsonl`` file holds one JSON object per
-line with the text in one field (``jsonl_key``); a ``.json`` file is read the same way, or, when
-it starts with ``[``, as one array of such objects. Folders are searched recursively in sorted
-order (hidden names skipped) for files with those suffixes.
+The inputs (see :mod:`mega_pretrain.data.sources`) are cut into pieces, and consecutive pieces
+into shards of about ``shard_bytes`` of input, from the files alone: the shards, and so the
+tokens written, are the same for any number of workers. Each shard is written atomically to
+``<prefix>.shards/``; a run that was stopped (Ctrl-C, a kill, a lost node) keeps its complete
+shards, and the same command run again writes only the rest. When all are written they are
+concatenated, in input order, into ``<prefix>.bin`` / ``<prefix>.idx`` (one shard is renamed)
+and the shard folder is removed. Bad input (a missing field, a line that is not JSON) is one
+sentence and leaves no shards: the input has to change before a run can succeed.
+
+    mega-pretrain preprocess data/ --output data/corpus --tokenizer hf:tok.json --workers 8
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from mega_pretrain.data.errors import DataError
-from mega_pretrain.data.indexed import IndexedTokenWriter
-from mega_pretrain.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer
+from mega_pretrain.data.indexed import IndexedTokenDataset, IndexedTokenWriter
+from mega_pretrain.data.parallel import run_shards
+from mega_pretrain.data.progress import ProgressLine
+from mega_pretrain.data.shards import ShardJob, ShardResult, completed_shard, shard_prefix
+from mega_pretrain.data.sources import (
+    JSON_SUFFIXES,
+    TABLE_SUFFIXES,
+    TEXT_SUFFIXES,
+    Piece,
+    find_input_files,
+    plan_pieces,
+)
+from mega_pretrain.data.tokenizers import Tokenizer, build_tokenizer
 
-__all__ = ["JSON_SUFFIXES", "TEXT_SUFFIXES", "PreprocessStats", "find_input_files", "preprocess"]
-
-#: Suffixes of files read whole as one document.
-TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".py")
-#: Suffixes of files holding one JSON object per document.
-JSON_SUFFIXES: tuple[str, ...] = (".jsonl", ".json")
+__all__ = [
+    "JSON_SUFFIXES",
+    "TABLE_SUFFIXES",
+    "TEXT_SUFFIXES",
+    "PreprocessStats",
+    "find_input_files",
+    "preprocess",
+]
 
 _WAY_OUT = (
     "give .txt, .md or .py files (one document each), .jsonl or .json files "
-    "(one document per line) or folders holding them"
+    "(one document per line, plain or .gz/.bz2/.xz/.zst compressed), .parquet or .arrow "
+    "files (one document per row) or folders holding them"
 )
+_PLAN_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -55,15 +76,24 @@ class PreprocessStats:
     """Wall-clock time of the whole call."""
     skipped_empty: int = 0
     """Empty documents skipped."""
+    shards: int = 1
+    """Shards the input was cut into (merged into the one pair)."""
+    resumed: int = 0
+    """Shards kept from an earlier run that was stopped, not tokenized again."""
+    workers: int = 1
+    """Worker processes that tokenized the shards."""
 
     def __str__(self) -> str:
         """A summary for people, ending with the flag that trains on what was written."""
         rate = f"{self.tokens / self.seconds:,.0f}" if self.seconds > 0 else "-"
         skipped = f" ({self.skipped_empty:,} empty skipped)" if self.skipped_empty else ""
         files = f"{self.files:,} file{'s' if self.files != 1 else ''}"
+        shards = f"{self.shards:,} shard{'s' if self.shards != 1 else ''}"
+        resumed = f", {self.resumed:,} kept from the stopped run" if self.resumed else ""
         return (
             f"wrote {self.documents:,} documents{skipped}, {self.tokens:,} tokens from {files} "
-            f"({self.bytes:,} bytes) in {self.seconds:.1f} s ({rate} tokens/s) to "
+            f"({self.bytes:,} bytes; {shards}{resumed}, {self.workers} worker"
+            f"{'s' if self.workers != 1 else ''}) in {self.seconds:.1f} s ({rate} tokens/s) to "
             f"{self.output_prefix}.bin and .idx; train on it with --data.paths {self.output_prefix}"
         )
 
@@ -73,153 +103,67 @@ def _describe(inputs: Sequence[Path]) -> str:
     return names + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
 
 
-def find_input_files(inputs: str | Path | Sequence[str | Path]) -> list[Path]:
-    """The files ``inputs`` name, folders expanded recursively in sorted order."""
-    items = [Path(inputs)] if isinstance(inputs, str | Path) else [Path(p) for p in inputs]
-    suffixes = TEXT_SUFFIXES + JSON_SUFFIXES
-    files: list[Path] = []
-    for item in items:
-        if item.is_dir():
-            found = [
-                p
-                for p in item.rglob("*")
-                if p.suffix.lower() in suffixes
-                and p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(item).parts)
-            ]
-            files.extend(sorted(found, key=lambda p: p.relative_to(item).parts))
-        elif item.is_file():
-            if item.suffix.lower() not in suffixes:
-                raise DataError(
-                    f"cannot tell the type of {item} from its suffix {item.suffix!r}; "
-                    f"use {', '.join(TEXT_SUFFIXES)} (one document per file) or "
-                    f"{', '.join(JSON_SUFFIXES)} (one document per line)"
-                )
-            files.append(item)
-        else:
-            raise DataError(f"input {item} does not exist; check the path")
-    return files
+def _tokenizer_identity(tokenizer: Tokenizer) -> str:
+    """What the shards' tokens depend on: the tokenizer's type, repr and file contents."""
+    kind = type(tokenizer)
+    identity = f"{kind.__module__}.{kind.__qualname__} {tokenizer!r} {tokenizer.vocab_size}"
+    path = getattr(tokenizer, "path", None)
+    if isinstance(path, Path) and path.is_file():
+        identity += " " + hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+    return f"{identity} eod {tokenizer.eod_id}"
 
 
-_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number"}
+def _group_shards(pieces: Sequence[Piece], shard_bytes: int) -> list[list[Piece]]:
+    """Consecutive pieces grouped up to ``shard_bytes`` of input each (at least one piece)."""
+    shards: list[list[Piece]] = []
+    size = 0
+    for piece in pieces:
+        if not shards or size + piece.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(piece)
+        size += piece.nbytes
+    return shards
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    return _JSON_TYPES.get(type(value), type(value).__name__)
-
-
-def _text_field(obj: Any, key: str, where: str) -> str:
-    if not isinstance(obj, dict):
-        raise DataError(
-            f"{where} is a JSON {_json_type(obj)}, not an object with a field {key!r}; "
-            "write one JSON object per document"
-        )
-    if key not in obj:
-        names = [repr(k) for k in list(obj)[:10]] + (["..."] if len(obj) > 10 else [])
-        raise DataError(
-            f"{where} has no field {key!r}; its fields are {', '.join(names) or '(none)'}; "
-            "name the field that holds the text with --jsonl-key (jsonl_key= in Python)"
-        )
-    value = obj[key]
-    if not isinstance(value, str):
-        raise DataError(f"{where} holds a JSON {_json_type(value)} in {key!r}, not a string")
-    return value
-
-
-def _json_documents(path: Path, key: str) -> Iterator[tuple[str | None, int]]:
-    """(text or None, bytes read since the previous document) for each document of a JSON file."""
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-    if path.suffix.lower() == ".json" and head.startswith(b"["):
-        data = path.read_bytes()
+def _prepare_folder(folder: Path, plan: dict[str, Any]) -> None:
+    """Keep ``folder``'s shards when they were written for this exact plan, else start it anew;
+    remove what a stopped run left half-written."""
+    manifest = folder / "plan.json"
+    if folder.is_dir():
         try:
-            items = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
-            ) from None
-        except UnicodeDecodeError as exc:
-            raise DataError(
-                f"{path} is not valid UTF-8 ({exc.reason} at byte {exc.start})"
-            ) from None
-        if not items:
-            yield None, len(data)
-        for number, obj in enumerate(items, start=1):
-            yield _text_field(obj, key, f"item {number} of {path}"), len(data) if number == 1 else 0
+            same = json.loads(manifest.read_text()) == plan
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.tmp-*"):
+        stale.unlink(missing_ok=True)
+    if not manifest.is_file():
+        temp = folder / f"plan.json.tmp-{os.getpid()}"
+        temp.write_text(json.dumps(plan))
+        os.replace(temp, manifest)
+
+
+def _merge(folder: Path, results: dict[int, ShardResult], output_prefix: Path) -> None:
+    """The shards, in order, as one pair at ``output_prefix`` (atomically); one is renamed."""
+    indices = [i for i in sorted(results) if results[i].documents]
+    output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    if len(indices) == 1:
+        shard = shard_prefix(folder, indices[0])
+        for suffix in (".bin", ".idx"):  # .bin first, as the writer does
+            os.replace(
+                shard.with_name(shard.name + suffix),
+                output_prefix.with_name(output_prefix.name + suffix),
+            )
         return
-    pending = 0
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            pending += len(line)
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"line {number} of {path} is not valid JSON: {exc.msg} (column {exc.colno})"
-                ) from None
-            except UnicodeDecodeError as exc:
-                raise DataError(
-                    f"line {number} of {path} is not valid UTF-8 ({exc.reason} at byte {exc.start})"
-                ) from None
-            yield _text_field(obj, key, f"line {number} of {path}"), pending
-            pending = 0
-    if pending:
-        yield None, pending  # trailing blank lines: bytes read, no document
-
-
-def _documents(path: Path, key: str) -> Iterator[tuple[str | None, int]]:
-    """(text or None, bytes read since the previous document) for each document of ``path``."""
-    if path.suffix.lower() in JSON_SUFFIXES:
-        yield from _json_documents(path, key)
-        return
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"{path} is not valid UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8"
-        ) from None
-    yield text, len(data)
-
-
-@contextmanager
-def _progress(enabled: bool, total_bytes: int) -> Iterator[Callable[[int, int], None]]:
-    """A rich progress bar over the input bytes; yields ``advance(nbytes, documents)``."""
-    if not enabled:
-        yield lambda nbytes, documents: None
-        return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (
-        TextColumn("preprocess"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[documents]} documents"),
-    )
-    with Progress(*columns) as bar:
-        task = bar.add_task("preprocess", total=total_bytes, documents=0)
-        yield lambda nbytes, documents: bar.update(task, advance=nbytes, documents=documents)
-
-
-def _encode(tokenizer: Tokenizer, text: str) -> npt.NDArray[Any]:
-    if isinstance(tokenizer, ByteTokenizer):  # fast path: the bytes are the ids
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-    return np.asarray(tokenizer.encode(text), dtype=np.int64)
+    first = IndexedTokenDataset(shard_prefix(folder, indices[0]))
+    vocab = first.vocab_size
+    assert vocab is not None
+    with IndexedTokenWriter(output_prefix, vocab, eod_id=first.eod_id) as writer:
+        for index in indices:
+            writer.add_indexed(IndexedTokenDataset(shard_prefix(folder, index)))
 
 
 def preprocess(
@@ -230,59 +174,103 @@ def preprocess(
     jsonl_key: str = "text",
     append_eod: bool = True,
     progress: bool = True,
+    workers: int = 1,
+    shard_bytes: int | None = None,
 ) -> PreprocessStats:
     """Tokenize ``inputs`` into ``<output_prefix>.bin`` / ``<output_prefix>.idx``.
 
     ``tokenizer`` is a :class:`Tokenizer` or a spec for :func:`build_tokenizer` (``"byte"``,
-    ``"hf:PATH"``, ``"tiktoken:PATH"``). With ``append_eod`` each stored document ends with the
+    ``"hf:PATH"``, ``"tiktoken:PATH"``). ``jsonl_key`` names the JSON field or the parquet/arrow
+    column holding the text. With ``append_eod`` each stored document ends with the
     tokenizer's ``eod_id``, which is what separates documents once they are concatenated into
-    samples. Empty documents are skipped, with one warning giving their number. The pair is
-    written atomically: an error leaves any earlier pair at the prefix untouched. Bad input
+    samples. Empty documents are skipped, with one warning giving their number. ``workers``
+    processes tokenize shards of about ``shard_bytes`` of input each (by default a 64th of the
+    input, within 1–64 MiB); the output does not depend on ``workers`` (nor on the shards). ``progress`` writes a throttled progress line to stderr. The pair
+    is written atomically: an error leaves any earlier pair at the prefix untouched. Bad input
     raises :class:`DataError` in one sentence naming the file and line.
 
-    >>> stats = preprocess("corpus/", "data/corpus", "byte", progress=False)  # doctest: +SKIP
+    >>> stats = preprocess("corpus/", "data/corpus", "byte", workers=4)  # doctest: +SKIP
     """
     started = time.perf_counter()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers ({workers!r}) must be a whole number of processes, 1 or more")
+    if shard_bytes is not None and (not isinstance(shard_bytes, int) or shard_bytes < 1):
+        raise ValueError(f"shard_bytes ({shard_bytes!r}) must be a positive number of bytes")
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
     items = [Path(inputs)] if isinstance(inputs, str | Path) else [Path(p) for p in inputs]
     files = find_input_files(items)
     if not files:
         raise DataError(f"no documents found in {_describe(items) or 'no inputs'}; {_WAY_OUT}")
-    total_bytes = sum(p.stat().st_size for p in files)
-    eod = np.asarray([tokenizer.eod_id], dtype=np.int64)
-    documents = skipped = read = 0
-    with (
-        IndexedTokenWriter(
-            output_prefix, tokenizer.vocab_size, eod_id=tokenizer.eod_id if append_eod else None
-        ) as writer,
-        _progress(progress, total_bytes) as advance,
-    ):
-        for path in files:
-            for text, nbytes in _documents(path, jsonl_key):
-                read += nbytes
-                if text is not None:
-                    ids = _encode(tokenizer, text)
-                    if ids.size:
-                        writer.add_document(np.concatenate([ids, eod]) if append_eod else ids)
-                        documents += 1
-                    else:
-                        skipped += 1
-                advance(nbytes, documents)
+    if shard_bytes is None:
+        total = sum(p.stat().st_size for p in files)
+        shard_bytes = min(max(total // 64, 1 << 20), 64 << 20)
+    shards = _group_shards(plan_pieces(files, shard_bytes), shard_bytes)
+    output_prefix = Path(output_prefix)
+    folder = output_prefix.with_name(output_prefix.name + ".shards")
+    plan = {
+        "version": _PLAN_VERSION,
+        "tokenizer": _tokenizer_identity(tokenizer),
+        "key": jsonl_key,
+        "append_eod": append_eod,
+        "inputs": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+        "shards": [[[p.path, p.start, p.stop] for p in shard] for shard in shards],
+    }
+    try:
+        _prepare_folder(folder, plan)
+        results = {i: r for i in range(len(shards)) if (r := completed_shard(folder, i))}
+        todo = [(i, shard) for i, shard in enumerate(shards) if i not in results]
+        pieces_left: dict[str, int] = {}
+        for shard in shards:
+            for piece in shard:
+                pieces_left[piece.path] = pieces_left.get(piece.path, 0) + 1
+        line = ProgressLine(len(files), len(shards), enabled=progress)
+
+        def finished(index: int, result: ShardResult, *, resumed: bool = False) -> None:
+            results[index] = result
+            done_files = 0
+            for piece in shards[index]:
+                pieces_left[piece.path] -= 1
+                done_files += pieces_left[piece.path] == 0
+            line.advance(
+                shards=1,
+                files=done_files,
+                documents=result.documents if resumed else 0,
+                tokens=result.tokens if resumed else 0,
+            )
+
+        for index in list(results):
+            finished(index, results[index], resumed=True)
+        job = ShardJob(folder, tokenizer, jsonl_key, append_eod)
+        try:
+            run_shards(
+                job, todo, workers, lambda d, t: line.advance(documents=d, tokens=t), finished
+            )
+        finally:
+            line.close()
+        documents = sum(r.documents for r in results.values())
+        skipped = sum(r.skipped for r in results.values())
         if documents == 0:
             empty = f" (all {skipped} were empty)" if skipped else ""
             raise DataError(f"no documents found in {_describe(items)}{empty}; {_WAY_OUT}")
-        tokens = writer.num_tokens
+        _merge(folder, results, output_prefix)
+    except (DataError, ImportError):  # the input must change first: nothing to resume
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
     if skipped:
         warnings.warn(
             f"skipped {skipped} empty documents in {_describe(items)}", UserWarning, stacklevel=2
         )
     return PreprocessStats(
-        output_prefix=Path(output_prefix),
+        output_prefix=output_prefix,
         files=len(files),
         documents=documents,
-        tokens=tokens,
-        bytes=read,
+        tokens=sum(r.tokens for r in results.values()),
+        bytes=sum(r.bytes for r in results.values()),
         seconds=time.perf_counter() - started,
         skipped_empty=skipped,
+        shards=len(shards),
+        resumed=len(shards) - len(todo),
+        workers=min(workers, max(1, len(todo))),
     )
