@@ -163,6 +163,11 @@ class CheckpointConfig:
     """Checkpoints kept; older ones are deleted."""
     load: str = "auto"
     """'auto' resumes from the run folder's latest checkpoint, 'none' starts fresh, or a path."""
+    async_save: bool = False
+    """Write checkpoints in the background: a save copies each rank's tensors to host memory
+    (pinned on a GPU) and training goes on while they are written; the folder and ``latest``
+    are committed once every rank's write finished, a second save waits for the first, and
+    the run's end and a SIGTERM wait for it. Costs one host copy of each rank's state."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,19 @@ class RunConfig:
     """Parent folder of run folders."""
     tensorboard: bool = True
     """Write TensorBoard events."""
+    wandb: bool = False
+    """Also log to Weights & Biases: rank 0 logs the scalars the JSONL and TensorBoard sinks
+    get, and the resolved config once; a resumed run continues its W&B run (the id is kept
+    in the run folder). Needs the extra: ``pip install 'mega-pretrain[wandb]'``."""
+    wandb_project: str = "mega-pretrain"
+    """W&B project."""
+    wandb_entity: str | None = None
+    """W&B entity (team or user); unset: your W&B default."""
+    wandb_name: str | None = None
+    """W&B run name; unset: ``run.name``."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """W&B mode: online, offline (the run is kept under the run folder's ``wandb/``, for
+    ``wandb sync``) or disabled; auto: ``$WANDB_MODE``, else online."""
     peak_tflops: float | None = None
     """Peak TFLOP/s per device for MFU (default: from the detected GPU)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -18,6 +18,7 @@ from mega_pretrain.data import default_corpus
 from mega_pretrain.estimate import estimate
 from mega_pretrain.runtime import precision_phrase, with_precision
 from mega_pretrain.validate import check_config
+from mega_pretrain.wandb_sink import check_wandb
 
 __all__ = ["LARGE_MODEL_PARAMS", "builtin_corpus_tokens", "data_lines", "dry_run"]
 
@@ -56,6 +57,21 @@ def data_lines(config: TrainerConfig, total_params: int) -> list[str]:
     return lines
 
 
+def _logging_line(config: TrainerConfig) -> str:
+    r = config.run
+    sinks = ["metrics.jsonl", *(["tensorboard"] if r.tensorboard else [])]
+    if r.wandb:
+        entity = f"{r.wandb_entity}/" if r.wandb_entity else ""
+        sinks.append(f"wandb ({entity}{r.wandb_project}, mode {r.wandb_mode})")
+    ckpt = config.checkpoint
+    how = "in the background" if ckpt.async_save else "blocking"
+    every = f"every {ckpt.save_interval} steps" if ckpt.save_interval else "at the end"
+    return (
+        f"logging: {', '.join(sinks)}; checkpoints {every} and on SIGTERM, {how} "
+        f"(checkpoint.async_save {str(ckpt.async_save).lower()}), the last {ckpt.keep_last} kept"
+    )
+
+
 def dry_run(config: TrainerConfig, world_size: int) -> str:
     """Everything a user checks before launching, computed without any process or tensor."""
     model = gpt_config(config)
@@ -66,6 +82,7 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else None
     config, auto_line = resolve_micro_batch(config, model, world_size, memory)
     plan = check_config(config, model, world_size)
+    check_wandb(config)
     est = estimate(plan)
     t = config.train
     lines = [
@@ -87,6 +104,7 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
         f"  activations {_gib(est.activations)}",
         f"  total       {_gib(est.total)}",
         *data_lines(config, est.total_params),
+        _logging_line(config),
         "rank layout:",
         plan.layout.table() if world_size <= 64 else f"({world_size} ranks; table omitted)",
     ]

@@ -1,4 +1,4 @@
-"""Run metrics: a JSONL file, TensorBoard events and a live console line, on rank 0 only."""
+"""Run metrics: a JSONL file, TensorBoard events and optionally W&B, on rank 0 only."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mega_pretrain.config import TrainerConfig, config_to_dict
+from mega_pretrain.wandb_sink import WandbSink, check_wandb
 
 __all__ = ["MetricsLogger", "peak_tflops"]
 
@@ -30,15 +33,28 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
 
 
 class MetricsLogger:
-    """Writes ``metrics.jsonl`` and TensorBoard events under the run folder.
+    """Writes ``metrics.jsonl``, TensorBoard events and (``run.wandb``) W&B under the run folder.
 
-    Only the process created with ``enabled=True`` (rank 0) writes anything.
+    Only the process created with ``enabled=True`` (rank 0) writes anything. Given the
+    run's ``config`` (and ``layout``: world size, dp...), the config is recorded once, as
+    TensorBoard text and as the W&B run's config.
     """
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        config: TrainerConfig | None = None,
+        layout: dict[str, Any] | None = None,
+    ) -> None:
         self.enabled = enabled
         self._file = None
         self._tb: Any = None
+        self._wandb: WandbSink | None = None
+        if config is not None:
+            check_wandb(config)  # every rank says it alike
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -50,6 +66,14 @@ class MetricsLogger:
                 self._tb = None
             else:
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if config is None:
+            return
+        settings = {**config_to_dict(config), "layout": layout or {}}
+        if self._tb is not None:
+            text = json.dumps(settings, indent=2)
+            self._tb.add_text("config", "    " + text.replace("\n", "\n    "))  # markdown code
+        if config.run.wandb:
+            self._wandb = WandbSink(run_dir, config, layout or {})
 
     def log(self, step: int, values: dict[str, float], kind: str = "train") -> None:
         """Append one record; numbers go to TensorBoard as ``kind/name``."""
@@ -61,6 +85,8 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(f"{kind}/{key}", value, step)
+        if self._wandb is not None:
+            self._wandb.log(step, values, kind)
 
     def close(self) -> None:
         if self._file is not None:
@@ -69,3 +95,6 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None

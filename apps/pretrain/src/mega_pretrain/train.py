@@ -27,9 +27,9 @@ from mega_pretrain.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
-    save_checkpoint,
 )
 from mega_pretrain.ckpt.meta import read_meta
+from mega_pretrain.ckpt.saver import CheckpointSaver
 from mega_pretrain.config import TrainerConfig, config_to_dict
 from mega_pretrain.data import (
     BlendedDataset,
@@ -59,6 +59,7 @@ from mega_pretrain.schedule import lr_at
 from mega_pretrain.signals import RUN_END_FILE, StopRequest, write_run_end
 from mega_pretrain.step import Microbatch, StepRunner
 from mega_pretrain.validate import check_config
+from mega_pretrain.wandb_sink import check_wandb
 
 __all__ = ["RunSummary", "TrainingError", "train"]
 
@@ -126,6 +127,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     )
     config, auto_line = resolve_micro_batch(config, model, world, memory)
     plan = check_config(config, model, world)  # before any process group exists
+    check_wandb(config)
     timeout = collective_timeout(config.run.timeout_minutes)
     started = start_distributed(device, timeout)
     groups = init_process_groups(plan.parallel, timeout=timeout)
@@ -176,7 +178,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
             console.print(schedule_note)
         if changed:
             console.print(f"optimizer settings changed on resume: {', '.join(changed)}")
-    metrics = MetricsLogger(run_dir, enabled=rank0, tensorboard=config.run.tensorboard)
+    metrics = MetricsLogger(run_dir, enabled=rank0, tensorboard=config.run.tensorboard,
+                            config=config, layout={"world_size": world, "dp": dp})  # fmt: skip
     stop = StopRequest()
     sampler = iter(
         DistributedBatchSampler(len(train_set), consumed, t.micro_batch_size, dp_rank, dp)
@@ -195,13 +198,16 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
     live = LiveProgress(console, t.steps, step)
 
+    saver = CheckpointSaver(run_dir, built, groups, config.checkpoint, device=device,
+                            timeout=timeout, say=lambda line: console.print(line, markup=False))  # fmt: skip
+
     def save(step: int, consumed: int) -> Path:
-        state = _state(config, step, consumed)
-        return save_checkpoint(run_dir, step, built, groups, state, config.checkpoint.keep_last)
+        return saver.save(step, _state(config, step, consumed))
 
     try:
         live.__enter__()
         while step < t.steps:
+            saver.step_begins(step + 1)  # commits a finished background save
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup,
                        total_steps=t.steps, decay=t.decay, wsd_decay_fraction=t.wsd_decay_fraction)  # fmt: skip
             batches = _microbatches(train_set, sampler, plan.microbatches)
@@ -270,11 +276,13 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
             ):
                 saved = save(step, consumed)
         saved = save(step, consumed)
+        saved = saver.finish() or saved  # the background write, committed
         if rank0:  # committed: a launcher may trust this, not torchrun's exit code
             write_run_end(
                 run_dir, stopped_by=stopped_by, step=step, steps=t.steps, checkpoint=saved
             )
     finally:
+        saver.close()
         live.__exit__(None, None, None)
         stop.restore()
         metrics.close()

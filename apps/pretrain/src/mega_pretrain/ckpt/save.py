@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from mega_pretrain.ckpt.meta import (
     step_dir_name,
 )
 
-__all__ = ["save_checkpoint"]
+__all__ = ["PendingSave", "finish_save", "prepare_save", "save_checkpoint"]
 
 #: Param-group entries that say how the optimizer runs, not what it computes (not saved).
 IMPLEMENTATION_KEYS = frozenset(
@@ -215,7 +216,110 @@ def _prune(root: Path, keep_last: int, current: str) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+@dataclass
+class PendingSave:
+    """A save whose tensors are chosen and whose folder exists, before its tensors are written."""
+
+    root: Path
+    """The run's ``checkpoints`` folder."""
+    tmp: Path
+    """Where this rank's files are written (``step_<step>.tmp``)."""
+    final: Path
+    """The folder the commit renames ``tmp`` to."""
+    step: int
+    keep_last: int
+    tensors: dict[str, Tensor]
+    """This rank's DCP items (live tensors, or their staged copies)."""
+    rank_bytes: int
+    """Bytes of ``tensors``: what this rank writes."""
+    rng: dict[str, Any]
+    """The RNG states at the moment of the save."""
+    meta: dict[str, Any] | None
+    """meta.json without its file digests (rank 0; None on the other ranks)."""
+
+
+def _check_arguments(step: int, keep_last: int, trainer_state: dict[str, Any]) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step ({step!r}) must be a non-negative integer")
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last ({keep_last!r}) must be a positive integer")
+    try:
+        json.dumps(trainer_state)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"trainer_state is not JSON-serialisable ({exc}); pass numbers, strings, lists "
+            "and dicts"
+        ) from None
+
+
 @torch.no_grad()
+def prepare_save(
+    run_dir: Path,
+    step: int,
+    built: Built,
+    groups: ProcessGroups,
+    trainer_state: dict[str, Any],
+    keep_last: int = 2,
+) -> PendingSave:
+    """Everything of a save that reads the training state: the tensors each rank writes,
+    the RNG states and meta.json; rank 0 makes the empty ``.tmp`` folder. Collective over
+    all ranks."""
+    _check_arguments(step, keep_last, trainer_state)
+    root = Path(run_dir) / "checkpoints"
+    final = root / step_dir_name(step)
+    tmp = root / f"{final.name}.tmp"
+    world = groups.world
+    if dist.get_rank(world) == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    barrier(world)
+    opt_state = built.optimizer.state_dict()  # also waits for in-flight parameter gathers
+    params = local_params(built)
+    index = _local_index(params, opt_state, groups)
+    indices = gather_objects(index, world)
+    canonical = _canonical(indices)
+    tensors = _tensors(params, opt_state, (index["pp"], index["tp"]), canonical)
+    tensors.update(saved_buffers(built))  # e.g. MoE expert biases: the same on every rank
+    meta = None
+    if dist.get_rank(world) == 0:
+        meta = _meta(step, trainer_state, layout_of(built, groups), indices, canonical, opt_state)
+    return PendingSave(
+        root=root, tmp=tmp, final=final, step=step, keep_last=keep_last, tensors=tensors,
+        rank_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        rng=_rng_state(built), meta=meta,
+    )  # fmt: skip
+
+
+def finish_save(pending: PendingSave, group: ProcessGroup) -> Path:
+    """Once every rank's tensors are written: the RNG files, the CRC-32 of each file in
+    meta.json, then the commit (rename, ``latest``, keep-last pruning). Collective over
+    ``group`` (all ranks); a failure on any rank raises CheckpointError on every rank."""
+    tmp, rank = pending.tmp, dist.get_rank(group)
+    error: str | None = None
+    digests: dict[str, dict[str, Any]] = {}
+    try:  # a failure here is said on every rank, not left to hang the commit's barrier
+        torch.save(pending.rng, tmp / "rng" / f"rank{rank}.pt")
+        digests = hash_files(tmp, rank_files(tmp, rank))
+    except (OSError, RuntimeError) as exc:
+        error = str(write_failure(tmp, exc, pending.rank_bytes))
+    found = gather_objects((error, digests), group)
+    _raise_first([e for e, _ in found])
+    if pending.meta is not None:
+        files: dict[str, dict[str, Any]] = {}
+        for _, d in found:
+            files.update(d)
+        files.update(hash_files(tmp, set(all_files(tmp)) - set(files)))  # any file left over
+        meta = {**pending.meta, "files": {name: files[name] for name in sorted(files)}}
+        text = json.dumps(meta, indent=1)
+        try:
+            _write_synced(tmp / META_FILE, text)
+        except OSError as exc:
+            error = str(write_failure(tmp, exc, len(text)))
+    _raise_first(gather_objects(error, group))
+    _commit(pending.root, tmp, pending.final, pending.keep_last, group)
+    return pending.final
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -233,60 +337,13 @@ def save_checkpoint(
     failed write (a full disk named as such) raises CheckpointError on every rank and
     leaves ``latest`` and the checkpoint it names as they were.
     ``trainer_state`` (config, consumed samples...) must be JSON-serialisable. Returns the
-    checkpoint folder.
+    checkpoint folder. (:class:`mega_pretrain.ckpt.async_save.AsyncSaver` writes in the
+    background instead.)
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step ({step!r}) must be a non-negative integer")
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last ({keep_last!r}) must be a positive integer")
+    pending = prepare_save(run_dir, step, built, groups, trainer_state, keep_last)
     try:
-        json.dumps(trainer_state)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"trainer_state is not JSON-serialisable ({exc}); pass numbers, strings, lists "
-            "and dicts"
-        ) from None
-    root = Path(run_dir) / "checkpoints"
-    final = root / step_dir_name(step)
-    tmp = root / f"{final.name}.tmp"
-    world = groups.world
-    rank = dist.get_rank(world)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    barrier(world)
-    opt_state = built.optimizer.state_dict()  # also waits for in-flight parameter gathers
-    params = local_params(built)
-    index = _local_index(params, opt_state, groups)
-    indices = gather_objects(index, world)
-    canonical = _canonical(indices)
-    tensors = _tensors(params, opt_state, (index["pp"], index["tp"]), canonical)
-    tensors.update(saved_buffers(built))  # e.g. MoE expert biases: the same on every rank
-    rank_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    try:
-        dcp_save(tensors, storage_writer=FileSystemWriter(tmp), process_group=world)
+        dcp_save(pending.tensors, storage_writer=FileSystemWriter(pending.tmp),
+                 process_group=groups.world)  # fmt: skip
     except CheckpointException as exc:
-        raise write_failure(tmp, exc, rank_bytes) from None
-    error: str | None = None
-    digests: dict[str, dict[str, Any]] = {}
-    try:  # a failure here is said on every rank, not left to hang the commit's barrier
-        torch.save(_rng_state(built), tmp / "rng" / f"rank{rank}.pt")
-        digests = hash_files(tmp, rank_files(tmp, rank))
-    except (OSError, RuntimeError) as exc:
-        error = str(write_failure(tmp, exc, rank_bytes))
-    found = gather_objects((error, digests), world)
-    _raise_first([e for e, _ in found])
-    if rank == 0:
-        files: dict[str, dict[str, Any]] = {}
-        for _, d in found:
-            files.update(d)
-        files.update(hash_files(tmp, set(all_files(tmp)) - set(files)))  # any file left over
-        meta = _meta(step, trainer_state, layout_of(built, groups), indices, canonical, opt_state)
-        meta["files"] = {name: files[name] for name in sorted(files)}
-        try:
-            _write_synced(tmp / META_FILE, json.dumps(meta, indent=1))
-        except OSError as exc:
-            error = str(write_failure(tmp, exc, len(json.dumps(meta))))
-    _raise_first(gather_objects(error, world))
-    _commit(root, tmp, final, keep_last, world)
-    return final
+        raise write_failure(pending.tmp, exc, pending.rank_bytes) from None
+    return finish_save(pending, groups.world)
