@@ -73,6 +73,15 @@ SUITES: dict[str, Suite] = {
         ("mega compile fp8", 180, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8"),
     ],
     "hybrid": [("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile")],
+    # the 2026 families (issue 19): compiled, bf16 and bf16 + FP8 GEMMs
+    "families19": [
+        (f"{size} compile{' fp8' if fp8 else ''}", 300,
+         f"{_STEP} --size {size} --mb {mb} --compile{' --fp8' if fp8 else ''}")
+        for size, mb, fp8 in (
+            ("deepseek-v3-3b", 4, False), ("qwen3-1.7b", 8, False), ("nemotron-h-1b", 4, False),
+            ("deepseek-v3-3b", 4, True), ("qwen3-1.7b", 8, True),
+        )
+    ],
     # GPU kernel time by kind per step (bench/kernel_profile.py), compiled
     "profile": [
         (f"profile {size}", 300, f"python3 bench/kernel_profile.py --steps-run 8 --label {size} -- "
