@@ -29,7 +29,7 @@ from mega_parallel_grid.testing import DistPool, rank_device
 from mega_pretrain.build import Built, build, parallel_config
 from mega_pretrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from mega_pretrain.ckpt import async_save as async_module
-from mega_pretrain.ckpt.async_save import AsyncSaver
+from mega_pretrain.ckpt.async_save import AsyncSaver, HostStager
 from mega_pretrain.config import load_config
 from mega_pretrain.train import train
 
@@ -89,6 +89,31 @@ def test_async_resume_is_exact_and_equals_the_sync_checkpoint(
     for a, s in zip(async_rng, sync_rng, strict=True):
         assert torch.equal(a["cpu"], s["cpu"])
         assert all(torch.equal(a["tracker"][k], v) for k, v in s["tracker"].items())
+
+
+# staging ---------------------------------------------------------------------------------
+
+
+def _check_stager(device: str, pin: bool) -> None:
+    stager = HostStager(pin)
+    live = {"a": torch.arange(6.0, device=device).view(2, 3), "b": torch.ones(4, device=device)}
+    first = stager.stage(live)
+    assert all(t.device.type == "cpu" and t.is_pinned() == pin for t in first.values())
+    live["a"].add_(10.0)  # the step after the save: the staged copy keeps the saved values
+    assert torch.equal(first["a"], torch.arange(6.0).view(2, 3))
+    live["c"] = torch.zeros(2, device=device, dtype=torch.bfloat16)
+    second = stager.stage(live)  # the next save reuses the buffers of tensors it had
+    assert second["a"].data_ptr() == first["a"].data_ptr()
+    assert torch.equal(second["a"], live["a"].cpu()) and second["c"].dtype == torch.bfloat16
+
+
+def test_staging_copies_into_kept_host_buffers() -> None:
+    _check_stager("cpu", pin=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging is the GPU path")
+def test_staging_from_the_gpu_into_pinned_buffers() -> None:
+    _check_stager("cuda", pin=True)
 
 
 # the background write of one rank held back ----------------------------------------------

@@ -44,6 +44,7 @@ from mega_pretrain.data import (
 from mega_pretrain.errors import TrainingError
 from mega_pretrain.metrics import MetricsLogger, peak_tflops
 from mega_pretrain.moe_logging import moe_log_values
+from mega_pretrain.mtp_logging import mtp_log_values
 from mega_pretrain.progress import LiveProgress
 from mega_pretrain.runtime import (
     collective_timeout,
@@ -243,12 +244,15 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                 if device.type == "cuda":
                     record["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 record.update(moe_log_values(built.chunks, groups))  # collective; {} when dense
+                record.update(mtp_log_values(runner.last_losses, groups))  # collective; {} no MTP
                 metrics.log(step, record)
                 losses.append(value)
                 eta = (t.steps - step) * elapsed / window_steps
                 mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
                 if "moe_imbalance" in record:
                     mfu += f"  moe aux {record['moe_aux_loss']:.3f} imbalance {record['moe_imbalance']:.2f}"
+                if "mtp_loss" in record:
+                    mfu += f"  mtp {record['mtp_loss']:.4f}"
                 console.print(
                     f"step {step:>6}/{t.steps}  loss {value:7.4f}  lr {lr:.2e}  "
                     f"grad {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s{mfu}  eta {eta:5.0f}s"
