@@ -19,7 +19,8 @@ def forward_reduction_length(config: GPTConfig, *, seq: int) -> int:
     """``n`` for one forward of ``config`` on sequences of ``seq`` (a loss, an output)."""
     h = config.hidden_size
     per_layer = 4 * h + max(config.ffn_size, config.moe_ffn_size) + seq
-    return config.num_layers * per_layer + h + config.vocab_size
+    layers = config.num_layers + config.mtp_num_layers  # an MTP depth is one more layer
+    return layers * per_layer + h + config.vocab_size
 
 
 def model_reduction_length(config: GPTConfig, *, seq: int, tokens: int, steps: int = 1) -> int:

@@ -96,10 +96,11 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
                 # norm, output projection and loss in one graph: the fp32 logits are never
                 # written out (at tp > 1 the vocabulary-parallel loss runs eagerly)
                 chunk.head_fn = torch.compile(lm_head)
-    # A tied embedding split over pp has one copy on each end stage, at different places in
-    # the two stages' gradient buffers; after a reduce-scatter each dp rank would hold
-    # different parts of them, so such models all-reduce gradients (state stays sharded).
-    tied_across_stages = model.tie_embeddings and pp > 1
+    # A tied embedding (or one MTP reuses) split over pp has one copy on each end stage, at
+    # different places in the two stages' gradient buffers; after a reduce-scatter each dp
+    # rank would hold different parts of them, so such models all-reduce gradients (state
+    # stays sharded).
+    tied_across_stages = (model.tie_embeddings or model.mtp_num_layers > 0) and pp > 1
     wrapped = nn.ModuleList(chunks)
     common: dict[str, Any] = {
         "bucket_size": p.bucket_size, "overlap_grad_reduce": p.overlap_grad_reduce,

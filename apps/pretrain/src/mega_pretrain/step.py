@@ -38,6 +38,11 @@ class StepRunner:
     which enter backward inside the MoE layers (so every pipeline stage trains its own),
     weighted like the language-model loss; after each optimizer step the aux-loss-free
     expert biases move toward balance.
+
+    Multi-token prediction: each micro-batch's loss also holds its MTP term, which the
+    model attaches to the main per-token loss (weighted like it); the returned loss stays
+    the main language-model loss, and ``last_losses`` keeps the step's per-micro-batch
+    records (``mtp_loss`` among them) for :func:`~mega_pretrain.mtp_logging.mtp_log_values`.
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class StepRunner:
         self.model = nn.ModuleList(built.chunks)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
         self.cp = groups.size("cp")
+        self.last_losses: list[dict[str, Tensor]] = []
         self._forward_step = gpt_forward_step(groups.cp, device)
         self.pp = groups.size("pp")
         vpp = len(built.chunks) if len(built.chunks) > 1 else None
@@ -112,6 +118,7 @@ class StepRunner:
             grad_scale_func=optimizer.scale_loss if optimizer.loss_scaler is not None else None,
         )
         losses = broadcast_losses(losses, self.groups.pp, device=self.device)
+        self.last_losses = losses
         mean = torch.stack([d["loss"] for d in losses]).mean()
         if self.groups.size("dp_cp") > 1:  # the logged loss: mean over the global batch
             torch.distributed.all_reduce(mean, group=self.groups.dp_cp)
