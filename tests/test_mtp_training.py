@@ -7,7 +7,9 @@ main losses, gradient norms (the MTP depth's and the shared embedding's gradient
 included) and full weights (``mtp.0.*`` among them). Under pp the depth runs on the last
 stage, which keeps a copy of the embedding whose gradient is summed with the first
 stage's; under cp the labels are shifted before the zig-zag split. The reduction lengths
-count the depth as one more layer (``_tolerance``). The trainer trains ``tiny`` with
+count the depth as one more layer (``_tolerance``). A checkpoint saved at tp2·pp2 (the
+depth and the embedding copy on the last stage) loads bitwise at pp 1 and at pp2·vpp2, and
+the next step there equals the saved layout's to rounding. The trainer trains ``tiny`` with
 ``--model.mtp_num_layers 1`` from the command line, logs ``mtp_loss`` and its losses fall.
 """
 
@@ -20,9 +22,25 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_gpt_training_layouts import _check, _world
+import torch
+from test_gpt_training_layouts import (
+    LR,
+    SEQ,
+    _batches,
+    _chain,
+    _check,
+    _full_weights,
+    _micro,
+    _overrides,
+    _world,
+)
 
-from mega_parallel_grid.testing import DistPool
+from mega_parallel_grid import init_process_groups
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
+from mega_pretrain.build import build, gpt_config, parallel_config
+from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mega_pretrain.config import load_config
+from mega_pretrain.step import StepRunner
 
 MTP: dict[str, object] = {"mtp_num_layers": 1}
 #: the last layer MoE, so the depth's layer is MoE too (router losses off: the GPT contract's
@@ -72,3 +90,59 @@ def test_trainer_trains_tiny_with_mtp_from_the_cli(tmp_path: Path) -> None:
     assert records[-1]["loss"] < records[0]["loss"]
     assert records[-1]["mtp_loss"] < records[0]["mtp_loss"]
     assert " mtp " in done.stdout
+
+
+Weights = dict[str, torch.Tensor]
+
+
+class _Run:
+    """The trainer's model, optimizer and step runner at ``layout`` (MTP 1), on this rank."""
+
+    def __init__(self, layout: dict[str, object], seed: int) -> None:
+        config = load_config(None, [*_overrides(layout, MTP), ("train.seed", str(seed))])
+        self.groups = init_process_groups(parallel_config(config))
+        self.built = build(config, self.groups, rank_device())
+        self.micro = _micro(layout)
+        self.runner = StepRunner(
+            self.built, self.groups, seq_len=SEQ, micro_batch_size=self.micro,
+            hidden_size=gpt_config(config).hidden_size, dtype=torch.float32,
+            device=rank_device(), sequence_parallel=False,
+        )  # fmt: skip
+
+    def step(self, step: int) -> float:
+        dp, dp_rank = self.groups.size("dp"), self.groups.rank("dp")
+        loss, _ = self.runner.train_step(_batches(7, step, self.micro)[dp_rank::dp], LR)
+        return float(loss)
+
+
+def _save(run_dir: str) -> tuple[Weights, float]:
+    run = _Run({"tp": 2, "pp": 2}, seed=1234)
+    run.step(0)
+    save_checkpoint(Path(run_dir), 1, run.built, run.groups, {})
+    saved = _full_weights(run.built.chunks)
+    return saved, run.step(1)
+
+
+def _load(run_dir: str, layout: dict[str, object]) -> tuple[Weights, float]:
+    run = _Run(layout, seed=99)  # other initial weights: every one must come from the file
+    path = latest_checkpoint(Path(run_dir))
+    assert path is not None
+    load_checkpoint(path, run.built, run.groups)
+    return _full_weights(run.built.chunks), run.step(1)
+
+
+def test_mtp_checkpoint_reshards(dist_pool: DistPool, tmp_path: Path) -> None:
+    results = dist_pool.run(_save, 4, args=(str(tmp_path),))
+    saved: Weights = {}
+    for weights, _ in results:  # each stage its own layers; the last also mtp.0.*
+        saved.update(weights)
+    assert any(name.startswith("mtp.0.") for name in saved)
+    forward, _ = _chain(MTP)
+    for layout, world in (({}, 1), ({"pp": 2, "vpp": 2}, 2)):
+        loaded: Weights = {}
+        for weights, loss in dist_pool.run(_load, world, args=(str(tmp_path), layout)):
+            loaded.update(weights)
+            assert_close_to_reference(loss, results[0][1], reduction_length=forward, name="loss")
+        assert loaded.keys() == saved.keys()
+        for name, value in loaded.items():
+            assert torch.equal(value, saved[name]), f"{name} differs after loading at {layout}"
