@@ -8,8 +8,12 @@ one sentence.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +204,32 @@ def test_nemotron_h_bad_input_fails_in_one_sentence(
     [message] = dist_pool.run(_mismatch, 1, args=(str(nemotron[0]),))
     assert "\n" not in message and "pattern ('M-M*-M*-')" in message, message
     assert "nemotron_h_config(" in message, message
+
+
+def _convert(*args: str, cwd: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "mega_pretrain", "convert", *args]
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mega_pretrain") is None, reason="needs the mega-pretrain app"
+)
+def test_nemotron_h_converts_through_the_command_line(
+    nemotron: tuple[Path, torch.Tensor, torch.Tensor], tmp_path: Path
+) -> None:
+    """``convert --from-hf`` then ``--to-hf`` (the hybrid family's adapter, its (low, high)
+    ranges through model.toml): the same tensors and config.json."""
+    hf_dir = nemotron[0]
+    _convert("--from-hf", str(hf_dir), "--to", str(tmp_path / "run"), cwd=tmp_path)
+    assert "mamba_dt_limit = [0.01, inf]" in (tmp_path / "run" / "model.toml").read_text()
+    _convert("--to-hf", str(tmp_path / "back"), "--from", str(tmp_path / "run"), cwd=tmp_path)
+    original, exported = read_all(hf_dir), read_all(tmp_path / "back")
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[name], t) for name, t in original.items())
+    mine, theirs = (
+        json.loads((p / "config.json").read_text()) for p in (tmp_path / "back", hf_dir)
+    )
+    assert mine == theirs

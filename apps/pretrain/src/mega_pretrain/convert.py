@@ -46,6 +46,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
+    if isinstance(value, tuple | list):  # a HybridConfig's (low, high) ranges
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(str(value))
 
 

@@ -65,6 +65,9 @@ class HybridConfig(GPTConfig):
     """Bias in the depthwise convolution."""
 
     def __post_init__(self) -> None:
+        for name in ("mamba_dt_limit", "mamba_a_init_range"):  # TOML and JSON give lists
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         # before GPT's MoE checks, which would read moe_layer_pattern as the MoE layers
         if self.moe_layer_pattern is not None:
             raise ValueError(

@@ -10,6 +10,9 @@ config.json and safetensors shards with an index; given the config.json the mode
 from, the export keeps every key of it that the export does not own (token ids...), and
 :func:`copy_side_files` hands on the generation config and tokenizer files.
 
+Nemotron-H (``NemotronHForCausalLM``) converts to and from a :class:`HybridModel`:
+:func:`nemotron_h_config`, :func:`load_nemotron_h_weights`, :func:`save_nemotron_h_checkpoint`.
+
 Needs the ``hf`` extra (``safetensors``); it is imported only when a file is read or written.
 """
 
@@ -40,6 +43,11 @@ from mega_models.hf.mapping import (
     unstack_grid,
 )
 from mega_models.hf.moe import MOE_ARCHITECTURES, routing_semantics
+from mega_models.hf.nemotron_h import (
+    load_nemotron_h_weights,
+    nemotron_h_config,
+    save_nemotron_h_checkpoint,
+)
 from mega_models.hf.reader import SafetensorsReader
 from mega_models.hf.save import hf_state_dict, save_hf_checkpoint, write_safetensors
 
@@ -64,9 +72,12 @@ __all__ = [
     "hf_tensor_names",
     "interleave_gate_up",
     "load_hf_weights",
+    "load_nemotron_h_weights",
+    "nemotron_h_config",
     "read_hf_config",
     "routing_semantics",
     "save_hf_checkpoint",
+    "save_nemotron_h_checkpoint",
     "split_gate_up",
     "split_qkv",
     "stack_grid",
