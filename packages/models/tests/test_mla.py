@@ -270,6 +270,13 @@ def test_bad_attention_settings_fail_in_one_sentence() -> None:
     )
 
 
+def test_relu2_experts_fail_in_one_sentence() -> None:  # mega-moe's experts have no relu2
+    assert _error(num_experts=4, activation="relu2") == (
+        "invalid MoE setting: activation 'relu2' is built for dense MLPs only; MoE experts "
+        "take 'swiglu' or 'gelu', so choose one of them or set num_experts to 0"
+    )
+
+
 def test_bad_yarn_settings_fail_in_one_sentence() -> None:
     assert _error(rope_scaling_factor=4.0) == (
         "rope_scaling_factor (4.0) is DeepSeek's YaRN scaling, built for attention 'mla'; set "

@@ -28,6 +28,7 @@ from mega_models.hybrid_flops import (
 )
 from mega_models.hybrid_sizes import HYBRID_SIZES, hybrid_config
 from mega_models.mamba import ALogInit, DtBiasInit, Mamba2Mixer
+from mega_models.mla import MultiLatentAttention
 from mega_models.mtp import MTPDepth, mtp_labels
 from mega_models.mtp_flops import mtp_flops_per_token
 from mega_models.registry import MODEL_SIZES, model_config
@@ -55,6 +56,7 @@ __all__ = [
     "MTPDepth",
     "Mamba2Mixer",
     "ModelSpec",
+    "MultiLatentAttention",
     "StageSpec",
     "__version__",
     "all_specs",

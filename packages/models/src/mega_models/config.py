@@ -268,6 +268,12 @@ class GPTConfig:
         """The mega-moe settings of this model's MoE layers (needs num_experts > 0)."""
         if self.num_experts == 0:
             raise ValueError("moe_config() needs num_experts > 0; this config is dense")
+        activation = self.activation
+        if activation == "relu2":
+            raise ValueError(
+                "activation 'relu2' is built for dense MLPs only; MoE experts take 'swiglu' or "
+                "'gelu', so choose one of them or set num_experts to 0"
+            )
         router = RouterConfig(
             num_experts=self.num_experts, top_k=self.moe_top_k,
             score_function=self.moe_score_function,
@@ -281,7 +287,7 @@ class GPTConfig:
             drop_policy=self.moe_drop_policy,
         )  # fmt: skip
         return MoEConfig(
-            router=router, ffn_hidden_size=self.moe_ffn_size, activation=self.activation,
+            router=router, ffn_hidden_size=self.moe_ffn_size, activation=activation,
             dispatcher=self.moe_dispatcher,
             experts="grouped" if self.moe_grouped_experts else "sequential",
             shared_ffn_size=self.moe_shared_expert_size,

@@ -1,0 +1,52 @@
+"""A GPT with multi-head latent attention trains through the trainer at tp + SP, pp + vpp,
+dp with the distributed optimizer, and ep · etp 1 with tp 2 on an MoE, like one process.
+
+The checks are the GPT and MoE layout contracts' own (``test_gpt_training_layouts._check``
+and ``test_moe_training._check``: 3 AdamW steps; every step's loss and gradient norm and the
+full weights after the last step equal the plain single-process run's within the rounding
+bound of the model's chain of sums), run on MLA models: the layout suite's tiny GPT cut to
+4 layers with a 32-wide query latent, a 16-wide key/value latent and qk heads (8 + 4 rope)
+wider than the value heads (6); the MoE suite's DeepSeek-style model with the same MLA.
+And the registered ``deepseek-v3-tiny`` (MLA, DeepSeek routing, one MTP module) trains from
+the command line with ``configs/deepseek-v3-tiny.toml`` and its loss falls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_moe_training as moe
+from _cli_training import assert_loss_falls, train_from_cli
+from test_gpt_training_layouts import _check
+
+from mega_parallel_grid.testing import DistPool
+
+MLA: dict[str, Any] = {
+    "attention": "mla", "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4, "v_head_dim": 6,
+}  # fmt: skip
+DENSE = {**MLA, "num_layers": 4, "num_query_groups": 8}  # tiny: hidden 64, 8 heads
+
+
+@pytest.mark.parametrize(
+    ("layout", "dp"),
+    [({"tp": 2, "sequence_parallel": True}, 1), ({"pp": 2, "vpp": 2}, 1), ({}, 2)],
+    ids=["tp2-sp", "pp2-vpp2", "dp2-distributed-optimizer"],
+)
+def test_mla_training_matches_single_process(
+    dist_pool: DistPool, layout: dict[str, object], dp: int
+) -> None:
+    _check(dist_pool, layout, DENSE, dp)
+
+
+def test_mla_moe_training_at_ep2_etp1_tp2_matches_single_process(dist_pool: DistPool) -> None:
+    model = {**moe.DEEPSEEK, **MLA, "q_lora_rank": 16, "num_query_groups": 4}  # hidden 32, 4 heads
+    layout = {"ep": 2, "tp": 2, "etp": 1, "sequence_parallel": True}
+    moe._check(dist_pool, layout, model, 2)
+
+
+def test_deepseek_v3_tiny_trains_from_the_command_line(tmp_path: Path) -> None:
+    config = Path(__file__).parents[1] / "configs" / "deepseek-v3-tiny.toml"
+    assert_loss_falls(train_from_cli(tmp_path, config, "deepseek-v3-tiny"))
