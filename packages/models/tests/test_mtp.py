@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from _tolerance import model_reduction_length
 from torch import Tensor
 
-from mega_models import GPTConfig, GPTModel, mtp_labels, spec_for
+from mega_models import GPTConfig, GPTModel, model_config, mtp_labels, spec_for
 from mega_models.mtp_flops import mtp_flops_per_token, mtp_matmul_params, mtp_norm_params
-from mega_models.rope import rope_tables
+from mega_models.rope import rope_for
 from mega_models.spec import LayoutRequest
 from mega_moe import MoELayer
 from mega_parallel_grid import ParallelConfig, init_process_groups
@@ -37,7 +37,7 @@ def _data(vocab: int) -> tuple[Tensor, Tensor]:
 
 def _run_layer(layer: torch.nn.Module, x: Tensor, c: GPTConfig) -> Tensor:
     s = x.shape[0]
-    rope = rope_tables(c.head_dim, torch.arange(s), c.rope_theta, x.dtype)
+    rope = rope_for(c, torch.arange(s), x.dtype)
     out: Tensor = layer(x, rope, s)
     return out
 
@@ -72,8 +72,19 @@ def _grads(model: GPTModel, loss: Tensor) -> dict[str, Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+#: deepseek-v3-tiny's MLA and MoE (its sequence-level router loss off: truncating a sequence
+#: changes that loss, not the language-model losses compared here)
+DEEPSEEK = {"size": "deepseek-v3-tiny", "moe_seq_aux_loss_coeff": 0.0}
+
+
+def _config(changes: dict[str, object]) -> GPTConfig:
+    rest = {k: v for k, v in changes.items() if k != "size"}
+    base = model_config(str(changes["size"])) if "size" in changes else BASE
+    return base.replace(**rest)
+
+
 def _check_loss_and_grads(changes: dict[str, object]) -> None:
-    c = BASE.replace(**changes)
+    c = _config(changes)
     model = GPTModel(c, solo_groups(), seed=3)
     tokens, labels = _data(c.vocab_size)
     per_token = model(tokens, labels)
@@ -83,9 +94,7 @@ def _check_loss_and_grads(changes: dict[str, object]) -> None:
     got = _grads(model, per_token.mean())
     main, losses = _plain(model, tokens, labels)
     total = main + c.mtp_loss_scale * torch.stack(losses).mean()
-    n = model_reduction_length(
-        c.replace(num_layers=c.num_layers + c.mtp_num_layers), seq=SEQ, tokens=BATCH * SEQ
-    )
+    n = model_reduction_length(c, seq=SEQ, tokens=BATCH * SEQ)  # the depths count as layers
     assert_close_to_reference(per_token.mean(), main, reduction_length=n, name="main loss")
     assert_close_to_reference(got_losses, torch.stack(losses).detach(), reduction_length=n,
                               name="mtp losses")  # fmt: skip
@@ -103,8 +112,12 @@ def _check_loss_and_grads(changes: dict[str, object]) -> None:
 
 @pytest.mark.parametrize(
     "changes",
-    [{"mtp_num_layers": 1}, {"mtp_num_layers": 2, "tie_embeddings": True, "mtp_loss_scale": 0.3}],
-    ids=["D1", "D2-tied"],
+    [
+        {"mtp_num_layers": 1},
+        {"mtp_num_layers": 2, "tie_embeddings": True, "mtp_loss_scale": 0.3},
+        DEEPSEEK,
+    ],
+    ids=["D1", "D2-tied", "deepseek-v3-tiny-mla-moe"],
 )
 def test_mtp_loss_and_grads_equal_plain_recomputation(
     dist_pool: DistPool, changes: dict[str, object]
@@ -194,7 +207,7 @@ def test_bad_mtp_input_is_one_sentence(dist_pool: DistPool, kind: str, expected:
 
 
 def _param_counts(changes: dict[str, object]) -> tuple[int, int, int]:
-    c = BASE.replace(mtp_num_layers=2, **changes)
+    c = _config({"mtp_num_layers": 2, **changes})
     model = GPTModel(c, solo_groups(), seed=3)
     assert model.mtp is not None
     mats = sum(p.numel() for p in model.mtp.parameters() if p.dim() >= 2)
@@ -203,12 +216,18 @@ def _param_counts(changes: dict[str, object]) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize(
-    "changes", [{}, {"num_experts": 4, "moe_top_k": 2}, {"norm": "layernorm", "activation": "gelu"}]
+    "changes",
+    [
+        {},
+        {"num_experts": 4, "moe_top_k": 2},
+        {"norm": "layernorm", "activation": "gelu"},
+        {"size": "deepseek-v3-tiny"},
+    ],
 )
 def test_mtp_parameter_counts_match_the_built_model(
     dist_pool: DistPool, changes: dict[str, object]
 ) -> None:
-    c = BASE.replace(mtp_num_layers=2, **changes)
+    c = _config({"mtp_num_layers": 2, **changes})
     mats, norms, total = dist_pool.run(_param_counts, 1, args=(changes,))[0]
     assert mtp_matmul_params(c) == mats
     assert mtp_norm_params(c) == norms
@@ -228,3 +247,20 @@ def test_mtp_flops_are_one_more_layer_and_head_per_depth() -> None:
             BASE, SEQ
         ) + mtp_flops_per_token(c, SEQ)
     assert mtp_flops_per_token(BASE, SEQ) == 0.0
+
+
+def _check_recompute(recompute: str) -> None:
+    c = BASE.replace(mtp_num_layers=2)
+    tokens, labels = _data(c.vocab_size)
+    plain = GPTModel(c, solo_groups(), seed=3)
+    again = GPTModel(c, solo_groups(), seed=3, recompute=recompute)  # type: ignore[arg-type]
+    want = _grads(plain, plain(tokens, labels).mean())
+    got = _grads(again, again(tokens, labels).mean())
+    assert got.keys() == want.keys()
+    for name, grad in got.items():  # the same kernels on the same shapes, recomputed
+        assert torch.equal(grad, want[name]), name
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recomputed_depths_give_the_same_gradients(dist_pool: DistPool, recompute: str) -> None:
+    dist_pool.run(_check_recompute, 1, args=(recompute,))

@@ -12,7 +12,7 @@ stage the embedding is a tied copy whose gradient is summed with the first stage
 ``h^k`` goes on to depth k + 1 before its final norm, as ``h^0`` does (Megatron passes it
 after; the two agree for D = 1). The layer is the model's TransformerLayer of the kind of
 the decoder's last layer (Megatron's rule: an MoE model's MTP layer is MoE when its last
-layer is, as DeepSeek-V3's is); ``eh_proj`` is replicated over tp.
+layer is, as DeepSeek-V3's is); ``eh_proj`` is replicated over tp (FP8 with ``fp8``).
 
 Parameter names are stable for checkpoints and converters: ``mtp.{k-1}.enorm``,
 ``.hnorm``, ``.eh_proj``, ``.layer.*`` (the layer's own names), ``.final_norm``
@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 from torch.distributed import ProcessGroup
@@ -38,16 +37,9 @@ from torch.distributed import ProcessGroup
 from mega_models.config import GPTConfig
 from mega_models.layer import TransformerLayer
 from mega_models.norms import Norm
+from mega_models.replicated_linear import ReplicatedLinear
 from mega_models.stage_body import run_layer
-from mega_tp_layers import (
-    INIT_ATTR,
-    Fp8Recipe,
-    KeepsParamAttrs,
-    Normal,
-    RNGStatesTracker,
-    mark_replicated,
-    mark_sequence_parallel,
-)
+from mega_tp_layers import Fp8Recipe, Normal, RNGStatesTracker
 
 if TYPE_CHECKING:
     from mega_models.gpt import GPTModel
@@ -56,33 +48,6 @@ __all__ = ["IGNORE_INDEX", "MTPDepth", "check_mtp_depth", "mtp_head", "mtp_label
 
 #: Target of a position with no token to predict (the cross entropy gives it 0).
 IGNORE_INDEX = -100
-
-
-class ReplicatedLinear(KeepsParamAttrs):
-    """``x @ W^T`` with ``W`` whole on every tp rank (under SP its gradient is partial)."""
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        init_std: float,
-        tp_group: ProcessGroup,
-        sequence_parallel: bool,
-        device: torch.device | str | None,
-        dtype: torch.dtype | None,
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, device=device, dtype=dtype)
-        )
-        setattr(self.weight, INIT_ATTR, Normal(init_std))
-        mark_replicated(self.weight, tp_group)
-        if sequence_parallel:  # each rank sees its slice of the sequence: sum over tp
-            mark_sequence_parallel(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight)
 
 
 class MTPDepth(nn.Module):
@@ -113,8 +78,8 @@ class MTPDepth(nn.Module):
         self.enorm = Norm(c.hidden_size, c.norm, c.norm_eps, **norm)
         self.hnorm = Norm(c.hidden_size, c.norm, c.norm_eps, **norm)
         self.eh_proj = ReplicatedLinear(
-            2 * c.hidden_size, c.hidden_size, init_std=c.init_std, tp_group=tp_group,
-            sequence_parallel=sp, device=device, dtype=dtype,
+            2 * c.hidden_size, c.hidden_size, tp_group=tp_group, sequence_parallel=sp,
+            init_method=Normal(c.init_std), device=device, dtype=dtype, fp8=fp8,
         )  # fmt: skip
         self.layer = TransformerLayer(
             c, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sp, cp_method=cp_method,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mega_models.config import GPTConfig
 from mega_models.flops import (
+    attention_norm_params,
     attention_params,
     ffn_params,
     forward_flops_per_token,
@@ -37,9 +38,10 @@ def mtp_matmul_params(config: GPTConfig) -> int:
 
 
 def mtp_norm_params(config: GPTConfig) -> int:
-    """Norm parameters of the D depths: five norms each (weight, and bias for layernorm)."""
+    """Norm parameters of the D depths: five norms each (weight, and bias for layernorm),
+    and the latent norms of an MLA layer."""
     per_norm = config.hidden_size * (2 if config.norm == "layernorm" else 1)
-    return config.mtp_num_layers * 5 * per_norm
+    return config.mtp_num_layers * (5 * per_norm + attention_norm_params(config))
 
 
 def mtp_flops_per_token(config: GPTConfig, seq_len: int) -> float:
