@@ -316,8 +316,8 @@ def test_bad_configs_fail_inone_sentence(checkpoints: dict[str, tuple[Path, Any,
     mixtral = json.loads((checkpoints["mixtral"][0] / "config.json").read_text())
     qwen = json.loads((checkpoints["qwen2_moe"][0] / "config.json").read_text())
     bad: list[tuple[dict[str, Any], tuple[str, ...]]] = [
-        ({**mixtral, "architectures": ["DeepseekV3ForCausalLM"]},
-         ("DeepseekV3ForCausalLM", "not supported", "Qwen2MoeForCausalLM")),
+        ({**mixtral, "architectures": ["Glm4MoeForCausalLM"]},
+         ("Glm4MoeForCausalLM", "not supported", "Qwen2MoeForCausalLM")),
         ({**mixtral, "router_jitter_noise": 0.1}, ("router_jitter_noise (0.1)", "set it to 0.0")),
         ({**qwen, "shared_expert_intermediate_size": 0}, ("shared_expert_intermediate_size (0)",)),
         ({**qwen, "decoder_sparse_step": 0}, ("decoder_sparse_step (0)",)),

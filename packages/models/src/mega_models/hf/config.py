@@ -1,6 +1,7 @@
 """Hugging Face ``config.json`` <-> :class:`GPTConfig` for Llama-family decoders (Qwen3's
 per-head q/k norms as ``GPTConfig.qk_norm``) and their mixtures of experts (Mixtral,
-Qwen2-MoE, Qwen3-MoE; the expert keys are in :mod:`mega_models.hf.moe`).
+Qwen2-MoE, Qwen3-MoE; the expert keys are in :mod:`mega_models.hf.moe`), and DeepSeek-V3
+(latent attention, its routing and MTP: :mod:`mega_models.hf.deepseek_v3`).
 
 Pure dictionaries and dataclasses: no torch, no safetensors, no transformers. Both the
 ``transformers`` 4.x layout (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and the
@@ -17,6 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from mega_models.config import GPTConfig
+from mega_models.hf.deepseek_v3 import (
+    DEEPSEEK_V3,
+    check_deepseek_export,
+    deepseek_fields_from_hf,
+    hf_deepseek_keys,
+)
 from mega_models.hf.moe import (
     MIXTRAL,
     MOE_ARCHITECTURES,
@@ -52,6 +59,7 @@ HF_ARCHITECTURES: dict[str, str] = {
     MIXTRAL: "mixtral",
     QWEN2_MOE: "qwen2_moe",
     QWEN3_MOE: "qwen3_moe",
+    DEEPSEEK_V3: "deepseek_v3",
 }
 
 HFSource = str | os.PathLike[str] | Mapping[str, Any]
@@ -74,6 +82,14 @@ class HFLayout:
     """Routed experts of each sparse layer (Mixtral, Qwen2-MoE); 0 for a dense model."""
     qk_norm: bool = False
     """``self_attn.q_norm`` / ``k_norm`` scale each head before RoPE (Qwen3, Qwen3-MoE)."""
+    mla: bool = False
+    """Latent attention (DeepSeek-V3): ``q_a_proj``/``q_b_proj``, ``kv_a_proj_with_mqa``..."""
+    q_lora: bool = False
+    """MLA with a low-rank query (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``), not ``q_proj``."""
+    rope_interleave: bool = False
+    """MLA's rope rows are stored as interleaved pairs (DeepSeek's ``rope_interleave``)."""
+    num_layers: int = 0
+    """Decoder layers (DeepSeek-V3's MTP depth k is stored as layer ``num_layers + k``)."""
 
     @property
     def any_bias(self) -> bool:
@@ -138,6 +154,14 @@ def hf_layout(source: HFSource) -> HFLayout:
     if arch == MIXTRAL:
         experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 8)))
         return HFLayout(arch, qkv_bias=False, proj_bias=False, mlp_bias=False, num_experts=experts)
+    if arch == DEEPSEEK_V3:
+        return HFLayout(
+            arch, False, False, False,
+            num_experts=int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 256))),
+            mla=True, q_lora=cfg.get("q_lora_rank") is not None,
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+            num_layers=int(cfg["num_hidden_layers"]),
+        )  # fmt: skip
     return HFLayout(arch, qkv_bias=False, proj_bias=False, mlp_bias=False)
 
 
@@ -185,6 +209,8 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
             f"hidden_act ({act!r}) of {arch} is not supported; GPTModel's SwiGLU uses silu"
         )
     theta, rope_type = _rope(cfg)
+    if arch == DEEPSEEK_V3:
+        return _deepseek_config(cfg, theta)
     if rope_type != "default":
         raise ValueError(
             f"RoPE scaling ({rope_type!r}) is not supported; GPTModel has plain RoPE only "
@@ -204,26 +230,38 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
     kv = cfg.get("num_key_value_heads")
     moe = moe_fields_from_hf(cfg, arch) if arch in MOE_ARCHITECTURES else {}
     return GPTConfig(
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_attention_heads=heads,
+        **_decoder_fields(cfg, theta, max_len),
         num_query_groups=None if kv is None else int(kv),
-        ffn_hidden_size=int(cfg["intermediate_size"]),
-        norm="rmsnorm",
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        activation="swiglu",
-        position="rope",
-        rope_theta=theta,
-        max_seq_len=max_len,
         qk_norm=layout.qk_norm,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         add_bias=layout.add_bias,
         qkv_bias=layout.qkv_bias and not layout.add_bias,
-        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
-        init_std=float(cfg.get("initializer_range", 0.02)),
         **moe,
     )
+
+
+def _decoder_fields(cfg: Mapping[str, Any], theta: float, max_len: int) -> dict[str, Any]:
+    """The GPTConfig fields every Llama-family decoder (DeepSeek-V3 too) sets alike."""
+    return {
+        "vocab_size": int(cfg["vocab_size"]),
+        "hidden_size": int(cfg["hidden_size"]),
+        "num_layers": int(cfg["num_hidden_layers"]),
+        "num_attention_heads": int(cfg["num_attention_heads"]),
+        "ffn_hidden_size": int(cfg["intermediate_size"]),
+        "norm": "rmsnorm",
+        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "activation": "swiglu",
+        "position": "rope",
+        "rope_theta": theta,
+        "max_seq_len": max_len,
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "attention_dropout": float(cfg.get("attention_dropout", 0.0)),
+        "init_std": float(cfg.get("initializer_range", 0.02)),
+    }
+
+
+def _deepseek_config(cfg: Mapping[str, Any], theta: float) -> GPTConfig:
+    max_len = int(cfg.get("max_position_embeddings", 4096))
+    return GPTConfig(**_decoder_fields(cfg, theta, max_len), **deepseek_fields_from_hf(cfg))
 
 
 def check_convertible(config: GPTConfig) -> None:
@@ -238,6 +276,23 @@ def check_convertible(config: GPTConfig) -> None:
                 f"GPTConfig.{field} ({value!r}) has no Llama-family equivalent; "
                 f"only {field}={want!r} converts to or from Hugging Face"
             )
+
+
+def _check_llama_export(config: GPTConfig, architecture: str) -> None:
+    """Standard attention and no MTP: all a Llama-family architecture stores."""
+    if config.attention != "mha":
+        raise ValueError(
+            f"GPTConfig.attention ({config.attention!r}) cannot be written as {architecture}; "
+            f"export latent-attention models as {DEEPSEEK_V3}"
+        )
+    if config.mtp_num_layers:
+        raise ValueError(
+            f"GPTConfig.mtp_num_layers ({config.mtp_num_layers}) cannot be written as "
+            f"{architecture}, which has no MTP depths; export as {DEEPSEEK_V3}, or drop them "
+            "with config.replace(mtp_num_layers=0)"
+        )
+    check_moe_export(config, architecture)
+    _check_qwen3_export(config, architecture)
 
 
 def _check_qwen3_export(config: GPTConfig, architecture: str) -> None:
@@ -264,6 +319,8 @@ def default_architecture(config: GPTConfig) -> str:
     ``MixtralForCausalLM`` when every layer is MoE, without shared expert and without
     ``qkv_bias``, else ``Qwen2MoeForCausalLM``.
     """
+    if config.attention == "mla":
+        return DEEPSEEK_V3
     if config.qk_norm:
         return QWEN3_MOE if config.is_moe else QWEN3
     if not config.is_moe:
@@ -307,8 +364,10 @@ def hf_config_from_gpt(
             f"architecture {architecture} is not supported by the mega HF bridge; "
             f"supported: {', '.join(HF_ARCHITECTURES)}"
         )
-    check_moe_export(config, architecture)
-    _check_qwen3_export(config, architecture)
+    if architecture == DEEPSEEK_V3:
+        check_deepseek_export(config)
+    else:
+        _check_llama_export(config, architecture)
     out: dict[str, Any] = dict(base) if base is not None else {}
     out.pop("rope_scaling", None)
     out.update({
@@ -349,6 +408,8 @@ def hf_config_from_gpt(
         out["layer_types"] = ["full_attention"] * config.num_layers
     if architecture in MOE_ARCHITECTURES:
         out.update(hf_moe_keys(config, architecture, out))
+    if architecture == DEEPSEEK_V3:
+        out.update(hf_deepseek_keys(config))
     if base is not None:
         _keep_base_spelling(out, base, config.num_layers)
     return out
@@ -365,6 +426,10 @@ OWNED_KEYS = (
     "use_sliding_window", "layer_types", "num_local_experts", "num_experts",
     "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
     "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "qk_head_dim", "rope_interleave", "n_routed_experts", "n_shared_experts",
+    "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
+    "moe_layer_freq", "scoring_func", "topk_method", "num_nextn_predict_layers",
     "dtype", "torch_dtype",
 )  # fmt: skip
 # owned keys that name what is written, not what is computed: never taken from the base

@@ -42,6 +42,9 @@ def _model_state(model: GPTModel) -> dict[str, Tensor]:
         if name in _VOCAB:
             full = full[:vocab].clone()  # [V_pad, h] -> [V, h]
         state[name] = full
+    for name, buffer in model.named_buffers():  # the routers' aux-loss-free biases
+        if name.endswith("router.expert_bias"):
+            state[name] = buffer.detach().cpu().clone()
     if spread:  # collective over ep: every rank of it has SequentialMLP experts here
         parts: list[object] = [None] * dist.get_world_size(model.groups.ep)
         dist.all_gather_object(parts, spread, group=model.groups.ep)
@@ -54,7 +57,8 @@ def _model_state(model: GPTModel) -> dict[str, Tensor]:
 def gather_full_state(
     models: GPTModel | Sequence[GPTModel], pp_group: ProcessGroup | None = None
 ) -> dict[str, Tensor] | None:
-    """Every parameter of ``models`` as a full CPU tensor, vocabulary padding cut.
+    """Every parameter of ``models`` as a full CPU tensor, vocabulary padding cut, and the
+    routers' expert biases (buffers, replicated).
 
     ``models`` is this rank's GPTModel, or its virtual-pipeline chunks. Collective over
     each model's tp group and, for MoE layers, its etp and ep groups (every rank of them

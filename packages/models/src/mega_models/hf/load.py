@@ -12,11 +12,14 @@ from torch import Tensor, nn
 from mega_models.config import GPTConfig
 from mega_models.gpt import GPTModel
 from mega_models.hf.config import HFLayout, gpt_config_from_hf, hf_layout, read_hf_config
+from mega_models.hf.deepseek_v3 import DEEPSEEK_V3
 from mega_models.hf.mapping import (
     TensorMap,
+    deinterleave_rope,
     fuse_qkv,
     hf_shapes,
     interleave_gate_up,
+    rope_block,
     stack_grid,
     tensor_map,
 )
@@ -32,7 +35,9 @@ __all__ = ["load_hf_weights"]
 _MUST_MATCH = (
     "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "kv_heads", "ffn_size",
     "norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "tie_embeddings",
-    "num_experts",
+    "num_experts", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "rope_scaling_factor", "rope_original_max_position",
+    "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
 )  # fmt: skip
 _MOE_MUST_MATCH = (
     "moe_layers", "moe_top_k", "moe_ffn_size", "moe_shared_expert_size",
@@ -40,11 +45,22 @@ _MOE_MUST_MATCH = (
 )  # fmt: skip
 
 
-def _check_config(mine: GPTConfig, theirs: GPTConfig, hf_dir: Path) -> None:
+def _group_rule(config: GPTConfig) -> int | None:
+    """How many best scores a group's score sums (None: no group-limited routing)."""
+    return config.moe_config().router.group_scored_by if config.moe_num_groups else None
+
+
+def _check_config(model: GPTModel, theirs: GPTConfig, arch: str, hf_dir: Path) -> None:
+    mine = model.config
     pairs = [(f, getattr(mine, f), getattr(theirs, f)) for f in _MUST_MATCH]
     if theirs.is_moe and mine.is_moe:
         pairs += [(f, getattr(mine, f), getattr(theirs, f)) for f in _MOE_MUST_MATCH]
         pairs.append(("routing", routing_semantics(mine), routing_semantics(theirs)))
+        pairs.append(("moe_group_score_topk", _group_rule(mine), _group_rule(theirs)))
+    if arch == DEEPSEEK_V3:  # its e_score_correction_bias is part of the routing
+        pairs.append(("moe_expert_bias", mine.moe_expert_bias, True))
+    if model.mtp_depth > theirs.mtp_num_layers:  # fewer depths drop the checkpoint's last
+        pairs.append(("mtp_num_layers", model.mtp_depth, theirs.mtp_num_layers))
     # the model may have more biases than the checkpoint (they are loaded as zeros)
     if theirs.add_bias and not mine.add_bias:
         pairs.append(("add_bias", mine.add_bias, theirs.add_bias))
@@ -108,6 +124,9 @@ class _ShardBuilder:
         self.check_shapes(tmap)
         if tmap.kind == "copy":
             return self.reader.read(tmap.hf[0], index, dtype)
+        if tmap.kind in ("q_rope", "kv_rope"):  # whole blocks: tp splits q by heads
+            local = self.reader.read(tmap.hf[0], index, dtype)
+            return deinterleave_rope(local, *rope_block(tmap.kind, self.config))
         start, stop = _rows(index, shape[0])
         if tmap.kind == "vocab":
             return self._vocab_rows(tmap.hf[0], start, stop, shape, dtype)
@@ -153,11 +172,15 @@ class _ShardBuilder:
         return fuse_qkv(q, k, v, g1 - g0)  # -> [(g1-g0)(n/kv + 2) d, ...]
 
 
-def _zero_expert_biases(model: nn.Module) -> None:
-    """Aux-loss-free routing biases start from zero: the checkpoint's routing."""
-    for module in model.modules():
+def _load_expert_biases(model: nn.Module, builder: _ShardBuilder, layout: HFLayout) -> None:
+    """The routers' aux-loss-free biases: DeepSeek-V3's ``e_score_correction_bias``, else zero
+    (the checkpoint routes without one)."""
+    for name, module in model.named_modules():
         if isinstance(module, TopKRouter) and module.expert_bias is not None:
-            module.expert_bias.zero_()
+            bias = module.expert_bias
+            tmap = tensor_map(f"{name}.expert_bias", layout)
+            index = (slice(None),)
+            bias.copy_(builder.build(tmap, index, tuple(bias.shape), bias.dtype))
 
 
 def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
@@ -166,16 +189,18 @@ def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
     ``model`` may be any tp shard, any expert-parallel (ep, etp) shard and any pipeline
     stage (or virtual chunk) of a GPTModel whose config equals ``gpt_config_from_hf(hf_dir)``
     in every field that changes the computed function (it may have biases the checkpoint
-    lacks: they are loaded as zeros). Only the safetensors files that hold this stage's
+    lacks: they are loaded as zeros; fewer MTP depths than the checkpoint, or none with
+    ``GPTModel(mtp=False)``). Only the safetensors files that hold this stage's
     tensors are opened, and only this rank's experts and rows (columns for row-parallel
-    weights) are read. The routers' aux-loss-free biases, if any, are zeroed. No
+    weights) are read. The routers' aux-loss-free biases, if any, are DeepSeek-V3's
+    ``e_score_correction_bias``, or zero for the other architectures. No
     communication. Fails in one sentence naming the tensor on a missing shard file, a
     missing tensor (an expert's included) or a shape mismatch.
     """
     path = Path(hf_dir)
     cfg = read_hf_config(path)
     layout: HFLayout = hf_layout(cfg)
-    _check_config(model.config, gpt_config_from_hf(cfg), path)
+    _check_config(model, gpt_config_from_hf(cfg), layout.architecture, path)
     with SafetensorsReader(path) as reader:
         builder = _ShardBuilder(reader, model.config)
         for name, param in model.named_parameters():
@@ -186,5 +211,5 @@ def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
             assert tuple(local.shape) == shape, (name, local.shape, shape)
             with torch.no_grad():
                 param.copy_(local)
-    with torch.no_grad():
-        _zero_expert_biases(model)
+        with torch.no_grad():
+            _load_expert_biases(model, builder, layout)

@@ -17,8 +17,22 @@ Pure tensor arithmetic, no files. Four layouts differ between the two sides:
 Qwen3's (and Qwen3-MoE's) ``self_attn.q_norm`` / ``k_norm`` (one scale per head dim, shared by all heads)
 are mega's ``attention.q_norm`` / ``k_norm``, replicated over tp: copied whole.
 
-RoPE needs no permutation: HF-format Llama weights already use the rotate-half
-convention that :func:`mega_models.rope.apply_rope` uses.
+RoPE needs no permutation for the Llama family: HF-format Llama weights already use the
+rotate-half convention that :func:`mega_models.rope.apply_rope` uses. DeepSeek-V3's
+(``rope_interleave``) rope rows are interleaved pairs: the ``q_rope`` / ``kv_rope`` kinds
+put the rope rows of each head of ``q_b_proj`` and of ``kv_a_proj_with_mqa`` evens first,
+then odds, on import (:func:`deinterleave_rope`), and back on export
+(:func:`interleave_rope`); the scores are unchanged, q and k being permuted alike.
+
+DeepSeek-V3 (:mod:`mega_models.hf.deepseek_v3`): MLA's ``attention.q_down`` /
+``q_norm`` / ``q_up`` / ``kv_down`` / ``kv_norm`` / ``kv_up`` are ``self_attn.q_a_proj`` /
+``q_a_layernorm`` / ``q_b_proj`` (``q_proj`` without q_lora_rank) /
+``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``; the router's expert bias (a
+buffer) is ``mlp.gate.e_score_correction_bias``; the shared expert is
+``mlp.shared_experts``. MTP depth ``k`` (``mtp.{k}``) is ``model.layers.{L + k}``:
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` (mega's ``final_norm``) and a
+decoder layer's tensors; its ``embed_tokens`` and ``shared_head.head`` are copies of the
+model's embedding and output layer (:func:`mtp_copies`), written on export and not read.
 """
 
 from __future__ import annotations
@@ -33,15 +47,20 @@ from torch import Tensor
 
 from mega_models.config import GPTConfig
 from mega_models.hf.config import HFLayout
+from mega_models.hf.deepseek_v3 import DEEPSEEK_V3
 from mega_models.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 
 __all__ = [
     "TensorMap",
+    "deinterleave_rope",
     "fuse_qkv",
     "gpt_parameter_names",
     "hf_shapes",
     "hf_tensor_names",
     "interleave_gate_up",
+    "interleave_rope",
+    "mtp_copies",
+    "rope_block",
     "split_gate_up",
     "split_qkv",
     "stack_grid",
@@ -49,9 +68,23 @@ __all__ = [
     "unstack_grid",
 ]
 
-Kind = Literal["copy", "vocab", "qkv", "gate_up", "stack", "absent"]
+Kind = Literal["copy", "vocab", "qkv", "gate_up", "stack", "q_rope", "kv_rope", "absent"]
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+_MTP_OWN: dict[str, str] = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_norm.weight": "shared_head.norm.weight",
+}
+_MLA: dict[str, str] = {
+    "attention.q_down.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.kv_up.weight": "self_attn.kv_b_proj.weight",
+}
+_EXPERT_BIAS = "mlp.router.expert_bias"
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(weight[12])")
 _HF_LAYER = "model.layers.{i}."
 _PER_LAYER: dict[str, tuple[Kind, tuple[str, ...]]] = {
@@ -90,13 +123,15 @@ class _ExpertNames:
     gate: str
     up: str
     down: str
-    shared: bool
+    shared: str = ""
+    """The shared expert's module inside ``model.layers.i.`` ("": none)."""
 
 
 _EXPERT_NAMES = {
-    MIXTRAL: _ExpertNames("block_sparse_moe", "w1", "w3", "w2", shared=False),
-    QWEN2_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared=True),
-    QWEN3_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared=False),
+    MIXTRAL: _ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
+    QWEN2_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", "mlp.shared_expert"),
+    QWEN3_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    DEEPSEEK_V3: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", "mlp.shared_experts"),
 }
 
 
@@ -110,7 +145,8 @@ class TensorMap:
     """``copy``, ``vocab`` (padded rows), ``qkv``, ``gate_up``, ``stack``, or ``absent``
     (zero in mega)."""
     hf: tuple[str, ...]
-    """The Hugging Face tensor names, in the order the kind fuses them (empty if absent)."""
+    """The Hugging Face tensor names, in the order the kind fuses them (empty if absent;
+    ``q_rope`` / ``kv_rope``: one tensor whose rope rows are permuted)."""
     grid: tuple[int, ...] = ()
     """For ``stack``: the leading dimensions of the mega tensor the HF tensors fill
     (row-major), e.g. ``(E, 2)`` for GroupedMLP's ``weight1``."""
@@ -129,7 +165,7 @@ def _no_counterpart(mega_name: str, layout: HFLayout) -> ValueError:
         f"parameter {mega_name} has no Hugging Face counterpart in {layout.architecture}; "
         "only GPTModels with rmsnorm, swiglu and rope convert, qk_norm as Qwen3ForCausalLM or "
         "Qwen3MoeForCausalLM, MoE layers as MixtralForCausalLM, Qwen2MoeForCausalLM (shared "
-        "experts) or Qwen3MoeForCausalLM"
+        "experts) or Qwen3MoeForCausalLM, latent attention and MTP as DeepseekV3ForCausalLM"
     )
 
 
@@ -146,6 +182,10 @@ def _expert_map(mega_name: str, suffix: str, prefix: str, layout: HFLayout) -> T
 
     if suffix == "mlp.router.weight":
         return TensorMap(mega_name, "copy", (f"{block}gate.weight",))
+    if suffix == _EXPERT_BIAS:  # a buffer; zero in mega where the architecture has none
+        if layout.architecture != DEEPSEEK_V3:
+            return TensorMap(mega_name, "absent", ())
+        return TensorMap(mega_name, "copy", (f"{block}gate.e_score_correction_bias",))
     if suffix == "mlp.experts.weight1":
         hf = tuple(expert(e, w) for e in range(experts) for w in (names.gate, names.up))
         return TensorMap(mega_name, "stack", hf, (experts, 2))
@@ -158,27 +198,63 @@ def _expert_map(mega_name: str, suffix: str, prefix: str, layout: HFLayout) -> T
         if local.group(2) == "weight1":
             return TensorMap(mega_name, "stack", (expert(e, names.gate), expert(e, names.up)), (2,))
         return TensorMap(mega_name, "copy", (expert(e, names.down),))
-    shared = f"{prefix}mlp.shared_expert."
+    shared = f"{prefix}{names.shared}."
     if names.shared and suffix == "mlp.shared_experts.weight1":
         hf = (f"{shared}gate_proj.weight", f"{shared}up_proj.weight")
         return TensorMap(mega_name, "stack", hf, (2,))
     if names.shared and suffix == "mlp.shared_experts.weight2":
         return TensorMap(mega_name, "copy", (f"{shared}down_proj.weight",))
-    if names.shared and suffix == "mlp.shared_experts.gate_weight":
+    if (
+        names.shared
+        and suffix == "mlp.shared_experts.gate_weight"
+        and layout.architecture == QWEN2_MOE
+    ):
         return TensorMap(mega_name, "copy", (f"{prefix}mlp.shared_expert_gate.weight",))
     raise _no_counterpart(mega_name, layout)
 
 
+def _mla_map(mega_name: str, suffix: str, prefix: str, layout: HFLayout) -> TensorMap | None:
+    """The :class:`TensorMap` of a latent-attention weight (None for the other names)."""
+    if suffix in _MLA:
+        return TensorMap(mega_name, "copy", (prefix + _MLA[suffix],))
+    rope: Kind = "copy"
+    if suffix == "attention.q_up.weight":
+        name = "self_attn.q_b_proj.weight" if layout.q_lora else "self_attn.q_proj.weight"
+        rope = "q_rope"
+    elif suffix == "attention.kv_down.weight":
+        name, rope = "self_attn.kv_a_proj_with_mqa.weight", "kv_rope"
+    else:
+        return None
+    return TensorMap(mega_name, rope if layout.rope_interleave else "copy", (prefix + name,))
+
+
 def tensor_map(mega_name: str, layout: HFLayout) -> TensorMap:
-    """The :class:`TensorMap` of one GPTModel parameter name (global layer index)."""
+    """The :class:`TensorMap` of one GPTModel parameter name (global layer index; MTP depth
+    ``k``'s as ``mtp.{k}.*``)."""
     if mega_name in _TOP:
         kind, hf = _TOP[mega_name]
         return TensorMap(mega_name, kind, hf)
+    mtp = _MTP.fullmatch(mega_name)
+    if mtp is not None and layout.architecture == DEEPSEEK_V3:
+        depth, rest = mtp.groups()
+        prefix = _HF_LAYER.format(i=layout.num_layers + int(depth))
+        if rest in _MTP_OWN:
+            return TensorMap(mega_name, "copy", (prefix + _MTP_OWN[rest],))
+        if rest.startswith("layer."):
+            return _layer_map(mega_name, rest.removeprefix("layer."), prefix, layout)
     match = _LAYER.fullmatch(mega_name)
     if match is None:
         raise _no_counterpart(mega_name, layout)
     layer, suffix = match.groups()
-    prefix = _HF_LAYER.format(i=layer)
+    return _layer_map(mega_name, suffix, _HF_LAYER.format(i=layer), layout)
+
+
+def _layer_map(mega_name: str, suffix: str, prefix: str, layout: HFLayout) -> TensorMap:
+    """The :class:`TensorMap` of a decoder layer's parameter ``suffix``."""
+    if layout.mla:
+        mla = _mla_map(mega_name, suffix, prefix, layout)
+        if mla is not None:
+            return mla
     if suffix not in _PER_LAYER:
         return _expert_map(mega_name, suffix, prefix, layout)
     kind, hf = _PER_LAYER[suffix]
@@ -194,6 +270,7 @@ def _expert_shape(suffix: str, c: GPTConfig) -> tuple[int, ...] | None:
     h, e, f, fs = c.hidden_size, c.num_experts, c.moe_ffn_size, c.moe_shared_expert_size
     shapes: dict[str, tuple[int, ...]] = {
         "mlp.router.weight": (e, h),
+        _EXPERT_BIAS: (e,),
         "mlp.experts.weight1": (e, 2, f, h),
         "mlp.experts.weight2": (e, h, f),
         "mlp.shared_experts.weight1": (2, fs, h),
@@ -206,6 +283,36 @@ def _expert_shape(suffix: str, c: GPTConfig) -> tuple[int, ...] | None:
     return shapes.get(suffix)
 
 
+def _mla_shape(suffix: str, c: GPTConfig) -> tuple[int, ...] | None:
+    """The full shape of a latent-attention weight (None for the other names)."""
+    if c.attention != "mla":
+        return None
+    assert c.kv_lora_rank and c.qk_nope_head_dim and c.qk_rope_head_dim and c.v_head_dim
+    h, n, rope, kv = c.hidden_size, c.num_attention_heads, c.qk_rope_head_dim, c.kv_lora_rank
+    q_in = c.q_lora_rank or h
+    shapes: dict[str, tuple[int, ...]] = {
+        "attention.q_down.weight": (q_in, h),
+        "attention.q_norm.weight": (q_in,),
+        "attention.q_up.weight": (n * (c.qk_nope_head_dim + rope), q_in),
+        "attention.kv_down.weight": (kv + rope, h),
+        "attention.kv_norm.weight": (kv,),
+        "attention.kv_up.weight": (n * (c.qk_nope_head_dim + c.v_head_dim), kv),
+        "attention.proj.weight": (h, n * c.v_head_dim),
+    }
+    return shapes.get(suffix)
+
+
+def _suffix(mega_name: str) -> str:
+    """A layer parameter's name inside its layer (an MTP depth's layer too), else the name."""
+    if mega_name.startswith("layers."):
+        return mega_name.split(".", 2)[-1]
+    mtp = _MTP.fullmatch(mega_name)
+    if mtp is not None:
+        rest = mtp.group(2)
+        return rest.removeprefix("layer.") if rest.startswith("layer.") else f"mtp.{rest}"
+    return mega_name
+
+
 def hf_shapes(tmap: TensorMap, config: GPTConfig) -> tuple[tuple[int, ...], ...]:
     """The full shapes the Hugging Face tensors of ``tmap`` must have under ``config``."""
     c = config
@@ -216,10 +323,15 @@ def hf_shapes(tmap: TensorMap, config: GPTConfig) -> tuple[tuple[int, ...], ...]
     def shape(rows: int, cols: int) -> tuple[int, ...]:
         return (rows,) if bias else (rows, cols)
 
-    suffix = tmap.mega.split(".", 2)[-1] if tmap.mega.startswith("layers.") else tmap.mega
+    suffix = _suffix(tmap.mega)
     expert = _expert_shape(suffix, c)
     if expert is not None:
         return (expert[len(tmap.grid) :],) * len(tmap.hf)
+    mla = _mla_shape(suffix, c)
+    if mla is not None:
+        return (mla,)
+    if suffix == "mtp.eh_proj.weight":
+        return ((h, 2 * h),)
     if tmap.kind == "vocab":
         return ((c.vocab_size, h),)
     if tmap.kind == "qkv":
@@ -235,17 +347,26 @@ def hf_shapes(tmap: TensorMap, config: GPTConfig) -> tuple[tuple[int, ...], ...]
     return ((h,),)  # norms and the row-parallel biases
 
 
-def _layer_names(config: GPTConfig, i: int, all_biases: bool) -> list[str]:
-    c, every = config, all_biases or config.add_bias
-    names = ["input_norm.weight", "attention.qkv.weight"]
+def _attention_names(config: GPTConfig, every: bool) -> list[str]:
+    c = config
+    if c.attention == "mla":
+        q = ["q_down", "q_norm", "q_up"] if c.q_lora_rank is not None else ["q_up"]
+        names = [*q, "kv_down", "kv_norm", "kv_up", "proj"]
+        return [f"attention.{n}.weight" for n in names]
+    names = ["attention.qkv.weight"]
     names += ["attention.qkv.bias"] if every or c.qkv_bias else []
     names += list(_QK_NORMS) if c.qk_norm else []
-    names += ["attention.proj.weight"] + (["attention.proj.bias"] if every else [])
-    names.append("mlp_norm.weight")
+    return names + ["attention.proj.weight"] + (["attention.proj.bias"] if every else [])
+
+
+def _layer_names(config: GPTConfig, i: int, all_biases: bool) -> list[str]:
+    c, every = config, all_biases or config.add_bias
+    names = ["input_norm.weight", *_attention_names(config, every), "mlp_norm.weight"]
     if not c.is_moe_layer(i):
         names += ["mlp.fc1.weight", "mlp.fc2.weight"]
         return names + (["mlp.fc1.bias", "mlp.fc2.bias"] if every else [])
     names.append("mlp.router.weight")
+    names += [_EXPERT_BIAS] if all_biases or c.moe_expert_bias else []
     if c.moe_grouped_experts:
         names += ["mlp.experts.weight1", "mlp.experts.weight2"]
     else:
@@ -258,17 +379,37 @@ def _layer_names(config: GPTConfig, i: int, all_biases: bool) -> list[str]:
 
 
 def gpt_parameter_names(config: GPTConfig, *, all_biases: bool = False) -> list[str]:
-    """The full-model parameter names of a GPTModel of ``config`` (every expert once).
+    """The full-model parameter names of a GPTModel of ``config`` (every expert once), with
+    the routers' expert biases (buffers) when ``moe_expert_bias`` is on and the MTP depths'
+    names (``mtp.{k}.*``, their layer of the last decoder layer's kind).
 
     ``all_biases`` adds every bias a layer could have (those the model lacks included).
     """
     names = ["embedding.word.weight"]
     for i in range(config.num_layers):
         names += [f"layers.{i}.{s}" for s in _layer_names(config, i, all_biases)]
+    last = config.num_layers - 1
+    for k in range(config.mtp_num_layers):
+        names += [f"mtp.{k}.{s}" for s in ("enorm.weight", "hnorm.weight", "eh_proj.weight")]
+        names += [f"mtp.{k}.layer.{s}" for s in _layer_names(config, last, all_biases)]
+        names.append(f"mtp.{k}.final_norm.weight")
     names.append("final_norm.weight")
     if not config.tie_embeddings:
         names.append("output.weight")
     return names
+
+
+def mtp_copies(config: GPTConfig, layout: HFLayout) -> dict[str, str]:
+    """DeepSeek-V3's per-depth copies of the embedding and output layer: HF name -> mega name."""
+    if layout.architecture != DEEPSEEK_V3:
+        return {}
+    head = "embedding.word.weight" if config.tie_embeddings else "output.weight"
+    out: dict[str, str] = {}
+    for k in range(config.mtp_num_layers):
+        prefix = _HF_LAYER.format(i=config.num_layers + k)
+        out[f"{prefix}embed_tokens.weight"] = "embedding.word.weight"
+        out[f"{prefix}shared_head.head.weight"] = head
+    return out
 
 
 def hf_tensor_names(config: GPTConfig, layout: HFLayout) -> list[str]:
@@ -278,10 +419,43 @@ def hf_tensor_names(config: GPTConfig, layout: HFLayout) -> list[str]:
         if name not in _TOP:
             tmap = tensor_map(name, layout)
             names.extend(tmap.hf)
+    names += list(mtp_copies(config, layout))
     names.append("model.norm.weight")
     if not config.tie_embeddings:
         names.append("lm_head.weight")
     return names
+
+
+def _rope_order(block: int, offset: int, width: int) -> Tensor:
+    """Row order of one ``block``: its rope rows ``[offset, offset + width)`` evens, then odds."""
+    rope = torch.arange(offset, offset + width)
+    return torch.cat(
+        [torch.arange(offset), rope[0::2], rope[1::2], torch.arange(offset + width, block)]
+    )
+
+
+def deinterleave_rope(rows: Tensor, block: int, offset: int, width: int) -> Tensor:
+    """Rows made of whole ``block``-row blocks, rope rows as interleaved pairs -> rotate-half
+    order (each block's rope rows evens first, then odds)."""
+    order = _rope_order(block, offset, width)
+    blocks = rows.reshape(-1, block, *rows.shape[1:])  # [rows, ...] -> [n, block, ...]
+    return blocks[:, order].reshape(rows.shape).contiguous()
+
+
+def interleave_rope(rows: Tensor, block: int, offset: int, width: int) -> Tensor:
+    """The inverse of :func:`deinterleave_rope`."""
+    order = torch.argsort(_rope_order(block, offset, width))
+    blocks = rows.reshape(-1, block, *rows.shape[1:])
+    return blocks[:, order].reshape(rows.shape).contiguous()
+
+
+def rope_block(kind: Kind, config: GPTConfig) -> tuple[int, int, int]:
+    """``(block, offset, width)`` of a ``q_rope`` (per head) or ``kv_rope`` (the latent) tensor."""
+    c = config
+    assert c.qk_nope_head_dim and c.qk_rope_head_dim and c.kv_lora_rank
+    if kind == "q_rope":
+        return c.qk_nope_head_dim + c.qk_rope_head_dim, c.qk_nope_head_dim, c.qk_rope_head_dim
+    return c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank, c.qk_rope_head_dim
 
 
 def stack_grid(tensors: Sequence[Tensor], grid: tuple[int, ...]) -> Tensor:

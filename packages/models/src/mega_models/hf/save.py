@@ -26,6 +26,9 @@ from mega_models.hf.mapping import (
     gpt_parameter_names,
     hf_shapes,
     hf_tensor_names,
+    interleave_rope,
+    mtp_copies,
+    rope_block,
     split_gate_up,
     split_qkv,
     tensor_map,
@@ -79,6 +82,8 @@ def _split(name: str, full: Tensor, config: GPTConfig, layout: HFLayout) -> dict
         parts: Sequence[Tensor] = split_qkv(full, config.num_attention_heads, config.kv_heads)
     elif tmap.kind == "gate_up":
         parts = split_gate_up(full)
+    elif tmap.kind in ("q_rope", "kv_rope"):
+        parts = (interleave_rope(full, *rope_block(tmap.kind, config)),)
     elif tmap.kind == "stack":
         if tuple(full.shape[: len(tmap.grid)]) != tmap.grid:
             raise ValueError(
@@ -108,9 +113,12 @@ def hf_state_dict(
     ``state`` must hold the whole model, vocabulary unpadded (as
     :func:`~mega_models.hf.gather_full_state` gives it). Biases the architecture has and
     the model lacks are written as zeros; biases the model has and the architecture
-    lacks must be zero, or the export fails naming the tensor.
+    lacks must be zero, or the export fails naming the tensor. MTP depths (``mtp.*``) are
+    written as DeepSeek-V3 stores them, or left out when ``config.mtp_num_layers`` is 0.
     """
     check_convertible(config)
+    if not config.mtp_num_layers:  # dropped at export
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     _check_names(state, config)
     dtype = state["final_norm.weight"].dtype
     out: dict[str, Tensor] = {}
@@ -124,6 +132,8 @@ def hf_state_dict(
             out.update(
                 {n: torch.zeros(s, dtype=dtype) for n, s in zip(tmap.hf, shapes, strict=True)}
             )
+    for hf_name, mega_name in mtp_copies(config, layout).items():
+        out[hf_name] = state[mega_name].detach().contiguous().clone()
     return {name: out[name] for name in hf_tensor_names(config, layout)}
 
 
