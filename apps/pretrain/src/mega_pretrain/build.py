@@ -92,6 +92,8 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         for chunk in chunks:
             for layer in chunk.layers.values():
                 layer.compile()
+            for depth in getattr(chunk, "mtp", None) or []:  # an MTP depth's layer too
+                depth.layer.compile()
             if chunk.stage.last and groups.size("tp") == 1:
                 # norm, output projection and loss in one graph: the fp32 logits are never
                 # written out (at tp > 1 the vocabulary-parallel loss runs eagerly)
