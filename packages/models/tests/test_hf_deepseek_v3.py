@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from _hf_common import forward_stages, one_sentence, randomise, read_all, save
 from torch import nn
 
-from mega_models import GPTConfig, GPTModel
+from mega_models import GPTConfig, GPTModel, model_config
 from mega_models.hf import (
     default_architecture,
     gather_full_state,
@@ -53,6 +53,12 @@ DEEPSEEK: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "bos_token_id": 3, "eos_token_id": 4, "pad_token_id": 0,
 }  # fmt: skip
 ROPE_THETA = 5e4
+# DeepSeek's YaRN: 4x the 16 positions it was trained at, the softmax scale corrected too
+YARN: dict[str, Any] = {
+    "rope_type": "yarn", "rope_theta": ROPE_THETA, "factor": 4.0,
+    "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+    "mscale": 1.0, "mscale_all_dim": 1.0,
+}  # fmt: skip
 
 
 def _hf_config(**changes: Any) -> Any:
@@ -130,20 +136,18 @@ def _add_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 Checkpoint = tuple[Path, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+def _checkpoint(path: Path, **changes: Any) -> Checkpoint:
     """The saved directory (MTP depth included), tokens [b, s + 1], transformers' logits of
     ``tokens[:, :-1]`` and the MTP depth's loss."""
     import transformers
 
-    config = _hf_config()
+    config = _hf_config(**changes)
     torch.manual_seed(0)
     model = randomise(transformers.DeepseekV3ForCausalLM(config).eval())
     mtp = randomise(_MTPDepth(config).eval())
     with torch.no_grad():
         _randomise_biases(model, 1)
         _randomise_biases(mtp, 2)
-    path = tmp_path_factory.mktemp("deepseek_v3")
     save(model, path, SHARD_BYTES)
     _add_tensors(path, mtp.tensors(model, f"model.layers.{LAYERS}."))
     tokens = torch.randint(0, 101, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(2))
@@ -155,6 +159,16 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
         hook.remove()
         mtp_loss = mtp.loss(model, captured[0], tokens)
     return path, tokens, logits, mtp_loss
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return _checkpoint(tmp_path_factory.mktemp("deepseek_v3"))
+
+
+@pytest.fixture(scope="module")
+def deepseek_yarn(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return _checkpoint(tmp_path_factory.mktemp("deepseek_v3_yarn"), rope_parameters=YARN)
 
 
 def _chain(config: GPTConfig) -> int:
@@ -223,6 +237,23 @@ def test_deepseek_v3_import_matches_transformers_and_export_is_identical(
         assert torch.equal(model.eval()(input_ids=deepseek[1][:, :-1]).logits, deepseek[2])
 
 
+def test_deepseek_v3_yarn_matches_transformers(
+    dist_pool: DistPool, deepseek_yarn: Checkpoint, tmp_path: Path
+) -> None:
+    hf_dir = deepseek_yarn[0]
+    config = gpt_config_from_hf(hf_dir)
+    assert (config.rope_scaling_factor, config.rope_original_max_position) == (4.0, 16)
+    assert (config.rope_mscale, config.rope_mscale_all_dim) == (1.0, 1.0)
+    out = tmp_path / "export"
+    dist_pool.run(_import_export, 1, args=(str(hf_dir), str(out), 1, 1, deepseek_yarn))
+    written = json.loads((out / "config.json").read_text())
+    assert (
+        written["rope_parameters"]
+        == json.loads((hf_dir / "config.json").read_text())["rope_parameters"]
+    )
+    assert gpt_config_from_hf(out) == config
+
+
 def test_deepseek_v3_config_both_ways(deepseek: Checkpoint) -> None:
     config = gpt_config_from_hf(deepseek[0])
     assert config.attention == "mla" and config.mtp_num_layers == 1
@@ -245,6 +276,11 @@ def test_deepseek_v3_config_both_ways(deepseek: Checkpoint) -> None:
         None, 1, 0,
     )  # fmt: skip
     assert gpt_config_from_hf(again) == plain
+    tiny = model_config("deepseek-v3-tiny")  # 4 // 2 = 2: both group rules agree
+    assert gpt_config_from_hf(hf_config_from_gpt(tiny)) == tiny.replace(
+        moe_group_score_topk=2,
+        moe_seq_aux_loss_coeff=0.0,  # the loss is not mapped
+    )
 
 
 @pytest.mark.parametrize("first_dense", [0, 1, 2])
