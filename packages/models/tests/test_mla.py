@@ -313,3 +313,54 @@ def _tp_error() -> None:
 
 def test_mla_heads_not_divisible_by_tp_fail_in_one_sentence(dist_pool: DistPool) -> None:
     dist_pool.run(_tp_error, 2)
+
+
+# FP8 (emulated exactly on CPU): GEMM operands rounded to e4m3 (<= 2^-4 relative per
+# element, random signs), so a loss over 64 tokens moves by well under 3% (as in
+# apps/pretrain's test_fp8_train); every MLA GEMM must carry the recipe.
+FP8_MLA: dict[str, Any] = {**MLA, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                           "qk_rope_head_dim": 16, "v_head_dim": 16}  # fmt: skip
+
+
+def _fp8_check(sp: bool) -> None:
+    from mega_parallel_grid import ParallelConfig, init_process_groups
+    from mega_tp_layers import Fp8Recipe
+
+    tp = dist.get_world_size()
+    groups = init_process_groups(ParallelConfig(tp=tp))
+    c = model_config("tiny").replace(**FP8_MLA, num_layers=2)
+    plain = GPTModel(c, solo_groups(), seed=5)
+    fp8 = GPTModel(c, groups, seed=5, fp8=Fp8Recipe(), sequence_parallel=sp)
+    attention = fp8.layers["0"].attention
+    assert isinstance(attention, MultiLatentAttention)
+    gemms = ("q_down", "q_up", "kv_down", "kv_up", "proj")
+    assert all(isinstance(getattr(attention, g).fp8, Fp8Recipe) for g in gemms)
+    ids = torch.randint(0, c.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    ref = plain(ids[:, :-1], ids[:, 1:]).mean()
+    loss = fp8(ids[:, :-1], ids[:, 1:]).mean()
+    loss.backward()
+    assert abs(float(loss) - float(ref)) < 0.03 * float(ref), (float(loss), float(ref))
+    assert attention.kv_down.weight.grad is not None
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, True)], ids=["tp1", "tp2-sp"])
+def test_fp8_covers_every_mla_gemm(dist_pool: DistPool, tp: int, sp: bool) -> None:
+    dist_pool.run(_fp8_check, tp, args=(sp,))
+
+
+def test_self_attention_refuses_an_mla_config(dist_pool: DistPool) -> None:
+    dist_pool.run(_self_attention_error, 1)
+
+
+def _self_attention_error() -> None:  # e.g. a hybrid model, whose attention layers are MHA
+    from mega_models.attention import SelfAttention
+
+    groups = solo_groups()
+    with pytest.raises(ValueError) as err:
+        SelfAttention(
+            GPTConfig(**MLA), tp_group=groups.tp, cp_group=groups.cp, sequence_parallel=False
+        )
+    assert str(err.value) == (
+        "SelfAttention builds standard attention, but config.attention is 'mla'; build "
+        "MultiLatentAttention for it (TransformerLayer picks it), or set attention = 'mha'"
+    )

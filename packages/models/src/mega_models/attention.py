@@ -125,6 +125,12 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         c = config
+        if c.attention != "mha":
+            raise ValueError(
+                f"SelfAttention builds standard attention, but config.attention is "
+                f"{c.attention!r}; build MultiLatentAttention for it (TransformerLayer picks "
+                "it), or set attention = 'mha'"
+            )
         tp = group_size(tp_group)
         self.tp, self.cp = tp, group_size(cp_group)
         self.cp_group, self.cp_method = cp_group, cp_method
