@@ -40,10 +40,10 @@ BATCH, SEQ = 2, 12
 SHARD_BYTES = 40_000
 BLOCKS = ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]
 # 6 Mamba heads of 16 in 2 groups: an inner width (96) other than expand * hidden (128);
-# chunks of 5 do not divide the sequence
+# chunks of 5 do not divide the sequence; heads of 24, not 64 / 4 (kv_channels)
 NEMOTRON_H: dict[str, Any] = {
     "vocab_size": 257, "hidden_size": 64, "layers_block_type": BLOCKS,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
     "intermediate_size": 128, "ssm_state_size": 8, "mamba_num_heads": 6, "mamba_head_dim": 16,
     "n_groups": 2, "chunk_size": 5, "layer_norm_epsilon": 1e-6, "time_step_min": 0.01,
     "bos_token_id": 5, "eos_token_id": 6, "pad_token_id": 7, "max_position_embeddings": 512,
@@ -127,7 +127,7 @@ def test_nemotron_h_config_both_ways(nemotron: tuple[Path, torch.Tensor, torch.T
     assert (config.mamba_inner, config.mamba_num_heads, config.mamba_inner_size) == (96, 6, 96)
     assert config.mamba_dt_limit == (0.01, math.inf) and config.mamba_dt_min == 0.01
     assert (config.norm_eps, config.kv_heads, config.mamba_chunk_size) == (1e-6, 2, 5)
-    assert not config.tie_embeddings
+    assert not config.tie_embeddings and (config.kv_channels, config.head_dim) == (24, 24)
     for size in ("nemotron-h-tiny", "nemotron-h-1b"):
         mine = hybrid_config(size)
         written = hf_config_from_nemotron_h(mine)
@@ -149,7 +149,7 @@ def test_nemotron_h_older_spellings_are_read_and_kept(
     base = json.loads((nemotron[0] / "config.json").read_text())
     old = {k: v for k, v in base.items() if k not in ("layers_block_type", "n_groups")}
     old.update({"hybrid_override_pattern": "M-*-M-", "num_hidden_layers": 6,
-                "mamba_n_groups": 2, "attention_head_dim": 16})  # fmt: skip
+                "mamba_n_groups": 2, "attention_head_dim": 24})  # fmt: skip
     config = nemotron_h_config_from_hf(old)
     assert config == nemotron_h_config(nemotron[0])
     written = hf_config_from_nemotron_h(config, base=old)
@@ -180,7 +180,6 @@ def test_nemotron_h_bad_input_fails_in_one_sentence(
         ({"mlp_bias": True}, ("mlp_bias (True)", "false")),
         ({"num_nextn_predict_layers": 1}, ("num_nextn_predict_layers (1)", "(0)")),
         ({"sliding_window": 64}, ("sliding_window (64)", "null")),
-        ({"head_dim": 32}, ("head_dim (32)", "no explicit head_dim")),
         ({"n_groups": 4}, ("Mamba heads (6)", "mamba_num_groups (4)")),
         ({"architectures": ["LlamaForCausalLM"]}, ("LlamaForCausalLM", "NemotronHForCausalLM")),
     ]

@@ -8,8 +8,8 @@ Pure dictionaries, no torch. What ``transformers`` (5.x) computes from each key:
   MLP without gate (``-``, ``activation="relu2"``). One pre-RMSNorm per block
   (``layer_norm_epsilon``), a final ``norm_f``, an output layer never tied to the embedding
   (``NemotronHForCausalLM`` ties nothing, whatever ``tie_word_embeddings`` says).
-* Attention: ``head_dim`` (default 128) must be ``hidden_size / num_attention_heads`` (mega
-  derives it); q/k/v/o never have biases (``attention_bias`` is not read).
+* Attention: ``head_dim`` (default 128; ``kv_channels`` when it is not ``hidden_size /
+  num_attention_heads``); q/k/v/o never have biases (``attention_bias`` is not read).
 * Mamba-2: inner width ``mamba_num_heads * mamba_head_dim``, ``n_groups`` groups of
   ``ssm_state_size`` state channels, a causal conv of ``conv_kernel`` over x‖B‖C with
   ``use_conv_bias``, ``dt = softplus(dt + dt_bias)`` clamped to ``(time_step_min, inf)``
@@ -17,8 +17,8 @@ Pure dictionaries, no torch. What ``transformers`` (5.x) computes from each key:
   group, ``use_bias`` on in_proj/out_proj; ``chunk_size`` steps per scan chunk.
 
 Not supported, refused in one sentence: MoE blocks, multi-token prediction layers,
-``use_bias`` / ``mlp_bias``, a sliding window, activations other than relu2 / silu, a
-head dim other than hidden / heads. Residuals stay in the model dtype, as transformers 5
+``use_bias`` / ``mlp_bias``, a sliding window, activations other than relu2 / silu.
+Residuals stay in the model dtype, as transformers 5
 computes them (``residual_in_fp32`` is kept in the config but read by neither side).
 Every key this module does not own (:data:`NEMOTRON_H_OWNED_KEYS`) is kept from the
 config.json the model came from.
@@ -128,11 +128,6 @@ def nemotron_h_config_from_hf(cfg: Mapping[str, Any]) -> HybridConfig:
     _refuse(cfg, pattern)
     hidden, heads = int(cfg.get("hidden_size", 4096)), int(cfg.get("num_attention_heads", 32))
     head_dim = int(cfg.get("head_dim", cfg.get("attention_head_dim", 128)))
-    if "*" in pattern and head_dim * heads != hidden:
-        raise ValueError(
-            f"head_dim ({head_dim}) is not hidden_size / num_attention_heads ({hidden} / "
-            f"{heads}); mega derives the head dim from them (it has no explicit head_dim)"
-        )
     expand = int(_get(cfg, "expand", 2))
     inner = int(cfg.get("mamba_num_heads", 128)) * int(cfg.get("mamba_head_dim", 64))
     dt_min = float(_get(cfg, "time_step_min", 0.001))
@@ -142,6 +137,7 @@ def nemotron_h_config_from_hf(cfg: Mapping[str, Any]) -> HybridConfig:
             vocab_size=int(cfg.get("vocab_size", 131072)), hidden_size=hidden,
             num_layers=len(pattern), pattern=pattern, num_attention_heads=heads,
             num_query_groups=heads if kv is None else int(kv),
+            kv_channels=None if head_dim * heads == hidden else head_dim,
             ffn_hidden_size=int(cfg.get("intermediate_size", 21504)), norm="rmsnorm",
             norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), activation="relu2",
             position="none", max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
