@@ -92,6 +92,24 @@ def _paths(prefix: str | Path) -> tuple[Path, Path]:
     return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
 
 
+def _copy_file(src: BinaryIO, dst: BinaryIO) -> None:
+    """All of ``src`` appended to ``dst``: in the kernel where it can (``copy_file_range``)."""
+    dst.flush()
+    left = os.fstat(src.fileno()).st_size
+    try:
+        while left > 0:
+            done = os.copy_file_range(src.fileno(), dst.fileno(), min(left, 1 << 30))
+            if done == 0:
+                break
+            left -= done
+    except (AttributeError, OSError):  # not Linux, or a file system without it
+        pass
+    if left > 0:
+        src.seek(os.fstat(src.fileno()).st_size - left)
+        dst.seek(0, os.SEEK_END)
+        shutil.copyfileobj(src, dst, 16 << 20)
+
+
 @dataclass(frozen=True)
 class IndexHeader:
     """The fields of an ``.idx`` header (for a Megatron index: what it records, and
@@ -187,7 +205,7 @@ class IndexedTokenWriter:
                 f"appended as is to a {self.dtype} mega token file; re-tokenize it"
             )
         with open(source.bin_path, "rb") as f:
-            shutil.copyfileobj(f, self._bin, 16 << 20)
+            _copy_file(f, self._bin)
         base = self._offsets[-1]
         offsets = source.doc_offsets
         for start in range(1, offsets.size, 1 << 20):  # chunked: no copy of a large index
