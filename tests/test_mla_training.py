@@ -7,7 +7,8 @@ full weights after the last step equal the plain single-process run's within the
 bound of the model's chain of sums), run on MLA models: the layout suite's tiny GPT cut to
 4 layers with a 32-wide query latent, a 16-wide key/value latent and qk heads (8 + 4 rope)
 wider than the value heads (6); the MoE suite's DeepSeek-style model with the same MLA.
-And the registered ``deepseek-v3-tiny`` (MLA, DeepSeek routing, one MTP module) trains from
+Also a standard-attention model whose head width (kv_channels 16) is not hidden/heads at
+tp 2. And the registered ``deepseek-v3-tiny`` (MLA, DeepSeek routing, one MTP module) trains from
 the command line with ``configs/deepseek-v3-tiny.toml`` and its loss falls.
 """
 
@@ -39,6 +40,11 @@ def test_mla_training_matches_single_process(
     dist_pool: DistPool, layout: dict[str, object], dp: int
 ) -> None:
     _check(dist_pool, layout, DENSE, dp)
+
+
+def test_explicit_head_width_trains_at_tp2_like_single_process(dist_pool: DistPool) -> None:
+    # kv_channels 16: 8 heads of 16 on the 64-wide stream (Qwen3-0.6B's head_dim != hidden/heads)
+    _check(dist_pool, {"tp": 2}, {"num_layers": 4, "kv_channels": 16}, 1)
 
 
 def test_mla_moe_training_at_ep2_etp1_tp2_matches_single_process(dist_pool: DistPool) -> None:
