@@ -23,7 +23,12 @@ import torch.distributed as dist
 from _hf_common import forward_stages, one_sentence, randomise, read_all, save
 from _tolerance import forward_reduction_length
 
-from mega_models.hf import gather_full_state
+from mega_models.hf import (
+    gather_full_state,
+    gpt_config_from_hf,
+    load_hf_weights,
+    save_hf_checkpoint,
+)
 from mega_models.hf.nemotron_h import (
     load_nemotron_h_weights,
     nemotron_h_config,
@@ -76,7 +81,8 @@ def _import_export(
     config = nemotron_h_config(hf_dir)
     stage = stage_spec(config.num_layers, pp, groups.rank("pp"))
     model = HybridModel(config, groups, stage=stage, seed=5, device=rank_device()).eval()
-    load_nemotron_h_weights(model, hf_dir)
+    # at tp 2 through the common entry points, which dispatch to the Nemotron-H bridge
+    (load_hf_weights if tp == 2 else load_nemotron_h_weights)(model, hf_dir)
     logits = forward_stages(model, groups, ids)  # type: ignore[arg-type]
     if logits is not None:
         # fp32 on both sides, same formulas: only the order of float sums differs (tp
@@ -86,8 +92,8 @@ def _import_export(
     state = gather_full_state([model], groups.pp)  # type: ignore[list-item]
     if dist.get_rank() == 0:
         assert state is not None
-        save_nemotron_h_checkpoint(state, out_dir, config=config, base_config=hf_dir,
-                                   max_shard_size=SHARD_BYTES)  # fmt: skip
+        save = save_hf_checkpoint if tp == 2 else save_nemotron_h_checkpoint
+        save(state, out_dir, config=config, base_config=hf_dir, max_shard_size=SHARD_BYTES)
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)], ids=str)
@@ -123,6 +129,7 @@ def test_nemotron_h_config_both_ways(nemotron: tuple[Path, torch.Tensor, torch.T
     import transformers
 
     config = nemotron_h_config(nemotron[0])
+    assert gpt_config_from_hf(nemotron[0]) == config  # the common entry point dispatches
     assert (config.pattern, config.activation, config.position) == ("M-*-M-", "relu2", "none")
     assert (config.mamba_inner, config.mamba_num_heads, config.mamba_inner_size) == (96, 6, 96)
     assert config.mamba_dt_limit == (0.01, math.inf) and config.mamba_dt_min == 0.01

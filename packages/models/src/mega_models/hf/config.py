@@ -196,6 +196,10 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
     checkpoint has one).
     """
     cfg = read_hf_config(source)
+    if (cfg.get("architectures") or [None])[0] == "NemotronHForCausalLM":  # HybridConfig
+        from mega_models.hf.nemotron_h_config import nemotron_h_config_from_hf
+
+        return nemotron_h_config_from_hf(cfg)
     layout = hf_layout(cfg)
     arch = layout.architecture
     if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias", False):

@@ -25,6 +25,7 @@ from mega_models.hf.mapping import (
 )
 from mega_models.hf.moe import routing_semantics
 from mega_models.hf.reader import SafetensorsReader
+from mega_models.hybrid import HybridModel
 from mega_moe import TopKRouter, expert_shard
 from mega_tp_layers import shard_spec
 
@@ -183,7 +184,7 @@ def _load_expert_biases(model: nn.Module, builder: _ShardBuilder, layout: HFLayo
             bias.copy_(builder.build(tmap, index, tuple(bias.shape), bias.dtype))
 
 
-def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
+def load_hf_weights(model: GPTModel | HybridModel, hf_dir: str | Path) -> None:
     """Copy a Hugging Face checkpoint into ``model``'s parameters (this rank's shards only).
 
     ``model`` may be any tp shard, any expert-parallel (ep, etp) shard and any pipeline
@@ -195,8 +196,13 @@ def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
     weights) are read. The routers' aux-loss-free biases, if any, are DeepSeek-V3's
     ``e_score_correction_bias``, or zero for the other architectures. No
     communication. Fails in one sentence naming the tensor on a missing shard file, a
-    missing tensor (an expert's included) or a shape mismatch.
+    missing tensor (an expert's included) or a shape mismatch. A HybridModel loads a
+    ``NemotronHForCausalLM`` (:func:`~mega_models.hf.load_nemotron_h_weights`).
     """
+    if isinstance(model, HybridModel):
+        from mega_models.hf.nemotron_h import load_nemotron_h_weights
+
+        return load_nemotron_h_weights(model, hf_dir)
     path = Path(hf_dir)
     cfg = read_hf_config(path)
     layout: HFLayout = hf_layout(cfg)

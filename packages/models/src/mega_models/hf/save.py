@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -36,6 +36,8 @@ from mega_models.hf.mapping import (
 )
 from mega_models.hf.moe import MOE_ARCHITECTURES
 from mega_models.hf.reader import INDEX, SINGLE
+from mega_models.hybrid import HybridModel
+from mega_models.hybrid_config import HybridConfig
 
 __all__ = ["hf_state_dict", "save_hf_checkpoint", "write_safetensors"]
 
@@ -204,8 +206,17 @@ def save_hf_checkpoint(
     fails in one sentence), else to
     :func:`~mega_models.hf.default_architecture` (Llama, Qwen2, Mixtral or Qwen2-MoE).
     ``dtype`` casts floating tensors. Returns the names of the files written. Local:
-    call it on one rank.
+    call it on one rank. HybridModels (or a HybridConfig's tensors) are written as
+    ``NemotronHForCausalLM`` (:func:`~mega_models.hf.save_nemotron_h_checkpoint`).
     """
+    lead = next(iter(source), None) if isinstance(source, Sequence) else source
+    if isinstance(lead, HybridModel) or isinstance(config, HybridConfig):
+        from mega_models.hf.nemotron_h import save_nemotron_h_checkpoint
+
+        return save_nemotron_h_checkpoint(
+            cast(Any, source), out_dir, config=cast(Any, config), base_config=base_config,
+            dtype=dtype, max_shard_size=max_shard_size,
+        )  # fmt: skip
     if isinstance(source, Mapping):
         if config is None:
             raise ValueError("save_hf_checkpoint of a tensor mapping needs config=GPTConfig(...)")
