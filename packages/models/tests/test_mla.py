@@ -364,3 +364,25 @@ def _self_attention_error() -> None:  # e.g. a hybrid model, whose attention lay
         "SelfAttention builds standard attention, but config.attention is 'mla'; build "
         "MultiLatentAttention for it (TransformerLayer picks it), or set attention = 'mha'"
     )
+
+
+def _per_rank_check() -> None:
+    """At tp 2 a rank holds half the MLA's split weights and all its replicated ones."""
+    from mega_models.flops import attention_params, replicated_attention_params
+    from mega_parallel_grid import ParallelConfig, init_process_groups
+
+    groups = init_process_groups(ParallelConfig(tp=2))
+    c = GPTConfig(vocab_size=100, hidden_size=64, num_layers=2, num_attention_heads=8, **MLA)
+    model = GPTModel(c, groups, seed=1, device="meta")
+    held = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.attention"))
+    whole = replicated_attention_params(c)
+    assert whole == 64 * (32 + 16 + 4) + 32 + 16  # q down, kv down, the two latent norms
+    latent_norms = 32 + 16
+    assert held == (attention_params(c) + latent_norms - whole) // 2 + whole
+    one, _ = spec_for(c).params_per_rank(c, ParallelConfig(), 2)
+    two, _ = spec_for(c).params_per_rank(c, ParallelConfig(tp=2), 2)
+    assert two == int((one - 2 * whole) / 2 + 2 * whole)
+
+
+def test_mla_replicated_weights_counted_whole_per_rank(dist_pool: DistPool) -> None:
+    dist_pool.run(_per_rank_check, 2)

@@ -14,6 +14,7 @@ __all__ = [
     "matmul_params",
     "model_flops_per_token",
     "moe_layer_params",
+    "replicated_attention_params",
 ]
 
 
@@ -40,6 +41,17 @@ def attention_norm_params(config: GPTConfig) -> int:
         return 0
     assert c.kv_lora_rank is not None
     return c.kv_lora_rank + (c.q_lora_rank or 0)
+
+
+def replicated_attention_params(config: GPTConfig) -> int:
+    """Weights of one attention layer that every tp rank holds whole: MLA's q and kv
+    down-projections and latent norms (0 for standard attention)."""
+    c = config
+    if c.attention != "mla":
+        return 0
+    assert c.kv_lora_rank is not None and c.qk_rope_head_dim is not None
+    down = c.hidden_size * ((c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim)
+    return down + attention_norm_params(c)
 
 
 def ffn_params(config: GPTConfig, ffn: int) -> int:

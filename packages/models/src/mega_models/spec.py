@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from mega_models.config import GPTConfig
-from mega_models.flops import attention_norm_params
+from mega_models.flops import attention_norm_params, replicated_attention_params
 from mega_models.stages import StageSpec
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 
@@ -191,7 +191,8 @@ class ModelSpec(Generic[C]):
         total = self.total_params(config)
         per_layer = (total - experts - matrices * vocab) / config.num_layers
         embed = vocab * (matrices if parallel.pp == 1 else 1)
-        dense = int((per_layer * layers + embed) / parallel.tp)
+        whole = replicated_attention_params(config)  # MLA's down-projections: not split
+        dense = int(((per_layer - whole) * layers + embed) / parallel.tp + whole * layers)
         expert = int(experts / parallel.pp / (parallel.ep * parallel.expert_tp))
         return dense, expert
 
