@@ -386,3 +386,28 @@ def _per_rank_check() -> None:
 
 def test_mla_replicated_weights_counted_whole_per_rank(dist_pool: DistPool) -> None:
     dist_pool.run(_per_rank_check, 2)
+
+
+def _recompute_check() -> None:
+    """Selective recompute of the MLA core replays its attention-dropout masks exactly."""
+    from mega_parallel_grid import ParallelConfig, init_process_groups
+    from mega_tp_layers import tp_rng_tracker
+
+    groups = init_process_groups(ParallelConfig(tp=2))
+    ids = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute, p in (("none", 0.1), ("selective", 0.1), ("none", 0.0)):
+        c = model_config("tiny").replace(**MLA, num_layers=2, attention_dropout=p)
+        model = GPTModel(
+            c, groups, sequence_parallel=True, seed=3, recompute=recompute,  # type: ignore[arg-type]
+            rng=tp_rng_tracker(99, groups.tp),
+        )  # fmt: skip
+        model(ids[:, :-1], ids[:, 1:]).sum().backward()
+        grads.append([q.grad.clone() for q in model.parameters() if q.grad is not None])
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any(not torch.equal(a, c) for a, c in zip(grads[0], grads[2], strict=True))
+
+
+def test_mla_selective_recompute_replays_dropout(dist_pool: DistPool) -> None:
+    dist_pool.run(_recompute_check, 2)
