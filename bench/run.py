@@ -82,6 +82,25 @@ SUITES: dict[str, Suite] = {
             ("deepseek-v3-3b", 4, True), ("qwen3-1.7b", 8, True),
         )
     ],
+    # the 2026 families through the trainer itself (compiled, bf16 from auto), causality on the GPU
+    "train19": [
+        ("causality", 240, "python3 bench/causality_check.py"),
+        *[
+            (f"trainer {size}", 240,
+             f"{_TRAIN} --model.size {size} --train.micro_batch_size {mb} "
+             f"--train.global_batch_size {mb} --run.name t-{size}")
+            for size, mb in (("deepseek-v3-3b", 4), ("qwen3-1.7b", 4), ("nemotron-h-1b", 4))
+        ],
+    ],
+    # the step stall of a checkpoint save of the 1b model, sync vs async (checkpoint.async_save)
+    "ckpt-stall": [
+        (f"1b save {mode}", 240,
+         "python3 -m mega_pretrain --model.size 1b --train.micro_batch_size 4 "
+         "--train.global_batch_size 4 --train.steps 12 --train.log_interval 1 "
+         "--train.eval_interval 0 --checkpoint.save_interval 6 "
+         f"--checkpoint.async_save {str(mode == 'async').lower()} --run.out_dir /tmp/runs --run.name s-{mode}")
+        for mode in ("sync", "async")
+    ],
     # GPU kernel time by kind per step (bench/kernel_profile.py), compiled
     "profile": [
         (f"profile {size}", 300, f"python3 bench/kernel_profile.py --steps-run 8 --label {size} -- "
