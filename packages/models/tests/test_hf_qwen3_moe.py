@@ -2,7 +2,9 @@
 download) imported at tp 1, tp 2 and ep 2 gives transformers' logits (q/k norms, softmax
 top-k routing with ``norm_topk_prob``, a dense ``mlp_only_layers`` layer); exported back it
 gives the same tensors and config.json, which transformers reads as the same model; the
-registered ``qwen3-moe-tiny`` trains from the command line.
+registered ``qwen3-moe-tiny`` trains from the command line. Qwen3 and Qwen3-MoE with an
+explicit ``head_dim`` other than hidden / heads (Qwen3-0.6B's 16 heads of 128 on 1024) import
+as ``kv_channels`` and give transformers' logits at tp 1 and 2.
 
 ``transformers`` is imported only in the pytest process (inside fixtures and tests).
 """
@@ -46,22 +48,24 @@ QWEN3_MOE: dict[str, Any] = {
 ROPE_THETA = 1e6
 
 
-def _transformers_config(**changes: Any) -> Any:
+def _transformers_config(family: str = "Qwen3Moe", **changes: Any) -> Any:
     import transformers
 
-    config = transformers.Qwen3MoeConfig(**{**QWEN3_MOE, **changes})
+    config = getattr(transformers, f"{family}Config")(**{**QWEN3_MOE, **changes})
     config.rope_parameters["rope_theta"] = ROPE_THETA
     return config
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor, torch.Tensor]:
+Checkpoint = tuple[Path, torch.Tensor, torch.Tensor]
+
+
+def _checkpoint(path: Path, family: str = "Qwen3Moe", **changes: Any) -> Checkpoint:
     """The saved directory, token ids [b, s] and transformers' logits [b, s, V]."""
     import transformers
 
     torch.manual_seed(0)
-    model = randomise(transformers.Qwen3MoeForCausalLM(_transformers_config()).eval())
-    path = tmp_path_factory.mktemp("qwen3_moe")
+    config = _transformers_config(family, **changes)
+    model = randomise(getattr(transformers, f"{family}ForCausalLM")(config).eval())
     save(model, path, SHARD_BYTES)
     assert (path / "model.safetensors.index.json").is_file()
     ids = torch.randint(0, 101, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
@@ -69,6 +73,20 @@ def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Ten
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
     return path, ids, logits
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return _checkpoint(tmp_path_factory.mktemp("qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
+    """Qwen3 and Qwen3-MoE with 4 heads of 16 on a hidden size of 32 (not 32 / 4 = 8)."""
+    return {
+        family: _checkpoint(tmp_path_factory.mktemp(family), family, head_dim=16)
+        for family in ("Qwen3", "Qwen3Moe")
+    }
 
 
 def _import_export(
@@ -88,7 +106,8 @@ def _import_export(
     # sequence, the dense or expert FFN width and the k-way combine, then the final norm
     # and the head.
     h, c = config.hidden_size, config
-    per_layer = 4 * h + SEQ + max(c.ffn_size, c.moe_ffn_size) + c.moe_top_k
+    per_layer = 2 * h + 2 * c.num_attention_heads * c.head_dim + SEQ
+    per_layer += max(c.ffn_size, c.moe_ffn_size) + c.moe_top_k
     n = c.num_layers * per_layer + h + c.vocab_size
     assert_close_to_reference(logits, ref, reduction_length=n, name=f"logits at tp {tp} ep {ep}")
     state = gather_full_state(model)  # collective over tp and ep
@@ -101,7 +120,7 @@ def _import_export(
 @pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "ep2"])
 def test_qwen3_moe_import_matches_transformers_and_export_is_identical(
     dist_pool: DistPool,
-    qwen3_moe: tuple[Path, torch.Tensor, torch.Tensor],
+    qwen3_moe: Checkpoint,
     tmp_path: Path,
     tp: int,
     ep: int,
@@ -130,7 +149,30 @@ def test_qwen3_moe_import_matches_transformers_and_export_is_identical(
         assert torch.equal(model.eval()(input_ids=ids).logits, ref)
 
 
-def test_qwen3_moe_config_both_ways(qwen3_moe: tuple[Path, torch.Tensor, torch.Tensor]) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family", ["Qwen3", "Qwen3Moe"])
+def test_explicit_head_dim_matches_transformers_and_exports(
+    dist_pool: DistPool, wide_heads: dict[str, Checkpoint], tmp_path: Path, family: str, tp: int
+) -> None:
+    hf_dir, ids, ref = wide_heads[family]
+    config = gpt_config_from_hf(hf_dir)
+    assert (config.kv_channels, config.head_dim, config.is_moe) == (16, 16, family == "Qwen3Moe")
+    out = tmp_path / "export"
+    dist_pool.run(_import_export, tp, args=(str(hf_dir), str(out), tp, 1, ids, ref))
+    original, exported = read_all(hf_dir), read_all(out)
+    assert original["model.layers.0.self_attn.q_proj.weight"].shape == (64, 32)
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    written = json.loads((out / "config.json").read_text())
+    assert written["head_dim"] == 16 and gpt_config_from_hf(written) == config
+    with pytest.raises(ValueError) as err:  # Llama derives the head dim from hidden / heads
+        hf_config_from_gpt(config.replace(qk_norm=False), "MixtralForCausalLM" if config.is_moe
+                           else "LlamaForCausalLM")  # fmt: skip
+    one_sentence(err, "kv_channels (16)", "hidden_size / num_attention_heads (8)")
+
+
+def test_qwen3_moe_config_both_ways(qwen3_moe: Checkpoint) -> None:
     config = gpt_config_from_hf(qwen3_moe[0])
     assert config.qk_norm and not (config.add_bias or config.qkv_bias or config.tie_embeddings)
     assert (config.num_experts, config.moe_top_k, config.moe_ffn_size) == (8, 2, 16)
@@ -175,7 +217,7 @@ def test_sparse_layers_are_where_transformers_builds_them(step: int, mlp_only: l
 
 
 def test_qwen3_moe_bad_input_fails_in_one_sentence(
-    qwen3_moe: tuple[Path, torch.Tensor, torch.Tensor],
+    qwen3_moe: Checkpoint,
 ) -> None:
     base = json.loads((qwen3_moe[0] / "config.json").read_text())
     cases: list[tuple[dict[str, Any], tuple[str, ...]]] = [

@@ -188,7 +188,8 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
 
     Unsupported checkpoints fail in one sentence naming the value: an unknown
     architecture, an activation other than SiLU, RoPE scaling, a head dim that is not
-    ``hidden_size / num_attention_heads``, a router setting mega's router lacks (Mixtral's
+    ``hidden_size / num_attention_heads`` (except Qwen3 / Qwen3-MoE's explicit ``head_dim``,
+    which gives ``kv_channels``), a router setting mega's router lacks (Mixtral's
     ``router_jitter_noise``). A sliding-attention window caps ``max_seq_len`` (mega attends
     over the whole causal context, which is the same up to the window). Q/K/V-only biases
     (Qwen2, Qwen2-MoE) give ``qkv_bias``; any other bias gives ``add_bias``. Qwen3 gives
@@ -222,11 +223,15 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
         )
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim")
+    kv_channels = None  # an explicit head width (Qwen3-0.6B: 16 heads of 128 on 1024)
     if head_dim is not None and int(head_dim) * heads != hidden:
-        raise ValueError(
-            f"head_dim ({head_dim}) is not hidden_size / num_attention_heads ({hidden} / "
-            f"{heads}); GPTModel derives the head dim from them (it has no explicit head_dim)"
-        )
+        if arch not in QK_NORM_ARCHITECTURES:
+            raise ValueError(
+                f"head_dim ({head_dim}) is not hidden_size / num_attention_heads ({hidden} / "
+                f"{heads}); mega converts an explicit head_dim for {QWEN3} and {QWEN3_MOE} "
+                "only, the others derive the head dim from the two"
+            )
+        kv_channels = int(head_dim)
     max_len = int(cfg.get("max_position_embeddings", 2048))
     window = _window(cfg, arch)
     if window is not None:
@@ -236,6 +241,7 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
     return GPTConfig(
         **_decoder_fields(cfg, theta, max_len),
         num_query_groups=None if kv is None else int(kv),
+        kv_channels=kv_channels,
         qk_norm=layout.qk_norm,
         add_bias=layout.add_bias,
         qkv_bias=layout.qkv_bias and not layout.add_bias,
@@ -294,6 +300,13 @@ def _check_llama_export(config: GPTConfig, architecture: str) -> None:
             f"GPTConfig.mtp_num_layers ({config.mtp_num_layers}) cannot be written as "
             f"{architecture}, which has no MTP depths; export as {DEEPSEEK_V3}, or drop them "
             "with config.replace(mtp_num_layers=0)"
+        )
+    derived = config.hidden_size // config.num_attention_heads
+    if config.head_dim != derived and architecture not in QK_NORM_ARCHITECTURES:
+        raise ValueError(
+            f"GPTConfig.kv_channels ({config.kv_channels}) is not hidden_size / "
+            f"num_attention_heads ({derived}), which {architecture} derives the head dim from; "
+            f"export as {QWEN3} / {QWEN3_MOE} (qk_norm), or leave kv_channels unset"
         )
     check_moe_export(config, architecture)
     _check_qwen3_export(config, architecture)

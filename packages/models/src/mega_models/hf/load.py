@@ -36,7 +36,7 @@ __all__ = ["load_hf_weights"]
 _MUST_MATCH = (
     "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "kv_heads", "ffn_size",
     "norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "tie_embeddings",
-    "num_experts", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "num_experts", "head_dim", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "rope_scaling_factor", "rope_original_max_position",
     "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
 )  # fmt: skip
