@@ -32,14 +32,19 @@ DENSE = {**MLA, "num_layers": 4, "num_query_groups": 8}  # tiny: hidden 64, 8 he
 
 
 @pytest.mark.parametrize(
-    ("layout", "dp"),
-    [({"tp": 2, "sequence_parallel": True}, 1), ({"pp": 2, "vpp": 2}, 1), ({}, 2)],
-    ids=["tp2-sp", "pp2-vpp2", "dp2-distributed-optimizer"],
+    ("layout", "model", "dp"),
+    [
+        ({"tp": 2, "sequence_parallel": True}, DENSE, 1),
+        ({"pp": 2, "vpp": 2}, DENSE, 1),
+        ({}, DENSE, 2),
+        ({"tp": 2, "pp": 2, "sequence_parallel": True}, {**DENSE, "mtp_num_layers": 1}, 1),
+    ],
+    ids=["tp2-sp", "pp2-vpp2", "dp2-distributed-optimizer", "mtp1-tp2-pp2-sp"],
 )
 def test_mla_training_matches_single_process(
-    dist_pool: DistPool, layout: dict[str, object], dp: int
+    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
 ) -> None:
-    _check(dist_pool, layout, DENSE, dp)
+    _check(dist_pool, layout, model, dp)
 
 
 def test_explicit_head_width_trains_at_tp2_like_single_process(dist_pool: DistPool) -> None:

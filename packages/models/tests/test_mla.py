@@ -43,10 +43,20 @@ PLAIN_Q: dict[str, Any] = {**MLA, "q_lora_rank": None}
         (4, 1, True, "ring", MLA),
         (1, 2, False, "ring", MLA),
         (1, 2, False, "all_gather", MLA),
+        (2, 2, True, "all_gather", MLA),
         (2, 1, True, "ring", PLAIN_Q),
         (2, 1, False, "ring", {"kv_channels": 16}),  # 8 heads of 16 on a 64-wide stream
     ],
-    ids=["tp2", "tp2-sp", "tp4-sp", "cp2-ring", "cp2-all_gather", "plain-q-tp2-sp", "kv16-tp2"],
+    ids=[
+        "tp2",
+        "tp2-sp",
+        "tp4-sp",
+        "cp2-ring",
+        "cp2-all_gather",
+        "tp2-cp2-sp-all_gather",
+        "plain-q-tp2-sp",
+        "kv16-tp2",
+    ],
 )
 def test_mla_layouts_match_single_process(
     dist_pool: DistPool, tp: int, cp: int, sp: bool, method: str, changes: dict[str, object]
