@@ -49,7 +49,15 @@ class _Reporter:
 
 
 def _worker(job: ShardJob, tasks: Any, results: Any) -> None:
-    """Write shards until the queue hands out None."""
+    """Write shards until the queue hands out None (quietly stopped by Ctrl-C, which the
+    parent sees too)."""
+    try:
+        _work(job, tasks, results)
+    except KeyboardInterrupt:
+        pass
+
+
+def _work(job: ShardJob, tasks: Any, results: Any) -> None:
     while (task := tasks.get()) is not None:
         index, pieces = task
         report = _Reporter(results, index)
