@@ -212,6 +212,10 @@ def test_config_errors() -> None:
     assert _raises(ValueError, lambda: config(nonsense=1)).startswith(
         "HybridConfig has no field nonsense; known fields: "
     )
+    assert _raises(ValueError, lambda: config(mtp_num_layers=1)) == (
+        "mtp_num_layers (1) is not supported by hybrid models (multi-token prediction is "
+        "built for the GPT family); set it to 0"
+    )
     assert config(pattern="M*M-M*").num_layers == 6  # replace(pattern=...) follows the pattern
 
 

@@ -79,6 +79,11 @@ class HybridConfig(GPTConfig):
                 f"moe_layer_freq ({self.moe_layer_freq!r}) does not apply to hybrid models; "
                 "leave it at 1 and mark the MoE layers with 'E' in pattern"
             )
+        if self.mtp_num_layers != 0:
+            raise ValueError(
+                f"mtp_num_layers ({self.mtp_num_layers!r}) is not supported by hybrid models "
+                "(multi-token prediction is built for the GPT family); set it to 0"
+            )
         super().__post_init__()
         p = self.pattern
         if not isinstance(p, str) or not p:
