@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention
+from mega_models.doc_mask import DocumentMask, document_attention
 from mega_models.norms import Norm
 from mega_models.rng_replay import rng_checkpoint_contexts
 from mega_models.rope import apply_rope
@@ -164,14 +165,22 @@ class SelfAttention(nn.Module):
             self.k_norm = Norm(c.head_dim, "rmsnorm", c.norm_eps, **kw)
 
     def _core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_len: int,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.cp > 1:
             out = context_parallel_attention(
-                q, k, v, cp_group=self.cp_group, seq_len=seq_len, method=self.cp_method
-            )
+                q, k, v, cp_group=self.cp_group, seq_len=seq_len, method=self.cp_method,
+                documents=documents,
+            )  # fmt: skip
+        elif documents is not None:  # packed documents (attention dropout refused with them)
+            out = document_attention(q, k, v, documents)
         else:
             p = self.dropout if self.training else 0.0
             with dropout_rng(self.rng, p):
@@ -181,8 +190,13 @@ class SelfAttention(nn.Module):
         return out.permute(2, 0, 1, 3)  # [b, n, s, d] -> [s, b, n, d]
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        seq_len: int,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
+        """``documents``: keep each token's attention inside its packed document."""
         qkv = self.qkv(x)  # [s(/tp), b, h] -> [s, b, (n + 2 kv) d / tp]
         s, b = qkv.shape[0], qkv.shape[1]
         per_group = self.heads // self.kv_heads
@@ -197,7 +211,8 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         recompute = self.recompute_core and self.training
-        out = run_core(self._core, q, k, v, seq_len, recompute, self.rng, self.dropout)
+        core = functools.partial(self._core, documents=documents)
+        out = run_core(core, q, k, v, seq_len, recompute, self.rng, self.dropout)
         out = out.reshape(s, b, self.heads * self.head_dim)
         result: torch.Tensor = self.proj(out)  # [s, b, n d / tp] -> [s(/tp), b, h]
         return result

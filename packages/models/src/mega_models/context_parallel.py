@@ -9,12 +9,15 @@ attention. Gradients flow back through the same exchange.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from mega_models.doc_mask import DocumentMask
 
 __all__ = ["context_parallel_attention", "zigzag_positions", "zigzag_split"]
 
@@ -115,6 +118,7 @@ def context_parallel_attention(
     seq_len: int,
     method: Literal["ring", "all_gather"] = "ring",
     scale: float | None = None,
+    documents: DocumentMask | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's zig-zag share of the sequence.
 
@@ -122,6 +126,8 @@ def context_parallel_attention(
     ``[b, n_kv, s/cp, d_v]`` (GQA: n_kv divides n; MLA: d_v may differ from d), all in the
     local zig-zag order; returns ``[b, n, s/cp, d_v]`` in q's dtype. ``scale`` multiplies
     the scores (default ``1/sqrt(d)``). K and V travel as one ``[.., d + d_v]`` message.
+    ``documents`` (packed documents, ``"all_gather"`` only) keeps each query inside its
+    document: the mask of :func:`~mega_models.doc_mask.document_mask` for this rank.
     """
     cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     groups = q.shape[1] // k.shape[1]
@@ -133,6 +139,10 @@ def context_parallel_attention(
         gathered: torch.Tensor = _AllGatherSeq.apply(kv.permute(2, 0, 1, 3), cp_group)
         # [s, b, n_kv, d + d_v] -> [b, n_kv, s, d], [b, n_kv, s, d_v]
         k_all, v_all = torch.split(gathered.permute(1, 2, 0, 3), [d, v.shape[-1]], dim=-1)
+        if documents is not None:  # the mask's keys are in this all-gathered order
+            from mega_models.doc_mask import document_attention
+
+            return document_attention(q, k_all, v_all, documents, scale=scale)
         k_pos = torch.cat([zigzag_positions(seq_len, cp, r, device=q.device) for r in range(cp)])
         mask = q_pos[:, None] >= k_pos[None, :]
         return F.scaled_dot_product_attention(
@@ -140,6 +150,11 @@ def context_parallel_attention(
         )
     if method != "ring":
         raise ValueError(f"context-parallel method ({method!r}) must be 'ring' or 'all_gather'")
+    if documents is not None:
+        raise ValueError(
+            "packed-document attention under context parallel needs the 'all_gather' method, "
+            "not 'ring'; set parallel.cp_method to all_gather"
+        )
     out = total = running_max = None
     for step in range(cp):
         src = (rank - step) % cp

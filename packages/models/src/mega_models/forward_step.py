@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from mega_models.context_parallel import zigzag_split
+from mega_models.doc_mask import DocumentPacking, loss_mask
 from mega_models.mtp import mtp_labels
 
 __all__ = ["LossFunc", "gpt_forward_step"]
@@ -19,8 +20,8 @@ LossFunc = Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]
 
 
 def gpt_forward_step(
-    cp_group: ProcessGroup, device: torch.device
-) -> Callable[[Iterator[tuple[Tensor, Tensor]] | None, Any], tuple[Tensor, LossFunc]]:
+    cp_group: ProcessGroup, device: torch.device, packing: DocumentPacking | None = None
+) -> Callable[[Iterator[tuple[Tensor, ...]] | None, Any], tuple[Tensor, LossFunc]]:
     """``forward_step(data_iterator, model_chunk)`` for GPTModel / HybridModel chunks.
 
     Each item of the iterator is ``(tokens, labels)``, ``[b, s]`` each, the same on every
@@ -38,22 +39,38 @@ def gpt_forward_step(
     cp_rank = torch.distributed.get_rank(cp_group)
 
     def forward_step(
-        data: Iterator[tuple[Tensor, Tensor]] | None, chunk: Any
+        data: Iterator[tuple[Tensor, ...]] | None, chunk: Any
     ) -> tuple[Tensor, LossFunc]:
         assert data is not None
-        tokens, labels = next(data)
+        item = next(data)
+        tokens, labels = item[0], item[1]
         module = getattr(chunk, "module", chunk)  # mega-pipeline's StageChunk wraps it
         depth = int(getattr(module, "mtp_depth", 0))
         if depth:
             labels = mtp_labels(labels, depth)  # [b, s] -> [1 + D, b, s]
+        kwargs: dict[str, Any] = {}
+        counted: Tensor | None = None
+        denominator = 1.0
+        if packing is not None:
+            full = tokens.to(device, non_blocking=True)  # [b, s], before the cp split
+            if packing.needs_documents:
+                kwargs["documents"] = packing.documents(full)
+            if packing.eod_mask_loss:
+                keep = loss_mask(full, packing.eod_id)
+                total = float(item[2]) if len(item) > 2 else float(keep.sum())
+                counted = zigzag_split(keep, cp, cp_rank, dim=1)
+                denominator = max(total, 1.0) / cp
         tokens = zigzag_split(tokens, cp, cp_rank, dim=1).to(device, non_blocking=True)
         labels = zigzag_split(labels, cp, cp_rank, dim=labels.dim() - 1)
         labels = labels.to(device, non_blocking=True)
-        out: Tensor = chunk(tokens, labels=labels)
+        out: Tensor = chunk(tokens, labels=labels, **kwargs)
         mtp: Tensor | None = getattr(module, "mtp_losses", None) if depth else None
 
         def loss_func(per_token: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-            loss = per_token.float().mean()
+            if counted is None:
+                loss = per_token.float().mean()
+            else:  # [b, s/cp] summed where counted, over the step's share of the count
+                loss = torch.where(counted, per_token.float(), 0.0).sum() / denominator
             logs = {"loss": loss.detach()}
             if mtp is not None:
                 logs["mtp_loss"] = mtp.mean()

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from mega_models.config import GPTConfig
-from mega_models.context_parallel import zigzag_positions
+from mega_models.context_parallel import zigzag_positions, zigzag_split
+from mega_models.doc_mask import DocumentMask, Documents, document_mask
 from mega_models.head import Embedding, embed, lm_head, make_head, mark_tied_copy
 from mega_models.layer import TransformerLayer
 from mega_models.mtp import MTPDepth, mtp_head
@@ -52,6 +53,10 @@ class GPTModel(nn.Module):
     and ``mtp_losses`` holds each depth's loss of the last forward. Without labels it
     returns the main logits only. ``mtp=False`` builds the model without them (inference,
     export): the same main weights, and ``mtp_depth`` 0.
+
+    Packed documents (``documents``, :mod:`mega_models.doc_mask`, over the whole sequence
+    before the cp split, given to every stage): rope positions restart in each document
+    and attention stays inside it, as each says.
     """
 
     def __init__(
@@ -158,7 +163,31 @@ class GPTModel(nn.Module):
         rank = torch.distributed.get_rank(self.cp_group)
         return zigzag_positions(seq_len, self.cp, rank, device=device), seq_len
 
-    def forward(self, x: Tensor, labels: Tensor | None = None) -> Tensor:
+    def _documents(
+        self, documents: Documents | None, positions: Tensor, device: torch.device
+    ) -> tuple[Tensor, DocumentMask | None]:
+        """Rope positions (``[s_local]``, or ``[s_local, b]`` restarting per document) and
+        this rank's document mask, if any."""
+        if documents is None:
+            return positions, None
+        learned = self.config.position == "learned" and documents.positions is not None
+        if self.mtp_depth or learned:
+            raise ValueError(
+                f"packed documents need no MTP (mtp_num_layers {self.mtp_depth}) and, to reset "
+                f"positions, position 'rope' or 'none' ({self.config.position!r}); change the "
+                "model or turn data.reset_position_ids / reset_attention_mask off"
+            )
+        cp_rank = torch.distributed.get_rank(self.cp_group) if self.cp > 1 else 0
+        if documents.positions is not None:  # [b, s] -> [s_local, b]
+            positions = zigzag_split(documents.positions.to(device), self.cp, cp_rank, dim=1).t()
+        mask = None
+        if documents.ids is not None:
+            mask = document_mask(documents.ids.to(device), cp=self.cp, cp_rank=cp_rank)
+        return positions, mask
+
+    def forward(
+        self, x: Tensor, labels: Tensor | None = None, documents: Documents | None = None
+    ) -> Tensor:
         c = self.config
         if self.stage.first:
             assert self.embedding is not None
@@ -174,8 +203,11 @@ class GPTModel(nn.Module):
                 torch.distributed.get_world_size(self.tp_group) if self.sequence_parallel else 1
             )
             positions, seq_len = self._positions(local, hidden.device)
-        rope = rope_for(c, positions, hidden.dtype)
+        rope_positions, mask = self._documents(documents, positions, hidden.device)
+        rope = rope_for(c, rope_positions, hidden.dtype)
         if self.mtp is None or labels is None:
-            return run_stage(self, self.layers.values(), hidden, labels, rope, seq_len)
+            return run_stage(
+                self, self.layers.values(), hidden, labels, rope, seq_len, documents=mask
+            )
         hidden = run_stage(self, self.layers.values(), hidden, None, rope, seq_len, head=False)
         return mtp_head(self, hidden, labels, rope, seq_len)

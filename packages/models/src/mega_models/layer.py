@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 
 from mega_models.attention import SelfAttention
 from mega_models.config import GPTConfig
+from mega_models.doc_mask import DocumentMask
 from mega_models.mla import MultiLatentAttention
 from mega_models.mlp import MLP
 from mega_models.norms import Norm
@@ -114,7 +115,11 @@ class TransformerLayer(nn.Module):
         return F.dropout(x, self.hidden_dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        seq_len: int,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.input_norm(x), rope, seq_len))
+        x = x + self._dropout(self.attention(self.input_norm(x), rope, seq_len, documents))
         return x + self._dropout(self.mlp(self.mlp_norm(x)))

@@ -32,6 +32,7 @@ attention everywhere. Context parallel (ring or all-gather) takes unequal dims d
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import torch
@@ -42,6 +43,7 @@ from torch.distributed import ProcessGroup
 from mega_models.attention import dropout_rng, run_core
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention
+from mega_models.doc_mask import DocumentMask, document_attention
 from mega_models.norms import Norm
 from mega_models.replicated_linear import ReplicatedLinear
 from mega_models.rope import apply_rope
@@ -140,14 +142,21 @@ class MultiLatentAttention(nn.Module):
         return copy_to_tp_region(k_rope, self.tp_group)
 
     def _core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_len: int,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, n, d] -> [b, n, s, d]
         if self.cp > 1:
             out = context_parallel_attention(
                 q, k, v, cp_group=self.cp_group, seq_len=seq_len, method=self.cp_method,
-                scale=self.scale,
+                scale=self.scale, documents=documents,
             )  # fmt: skip
+        elif documents is not None:  # packed documents (attention dropout refused with them)
+            out = document_attention(q, k, v, documents, scale=self.scale)
         else:
             p = self.dropout if self.training else 0.0
             with dropout_rng(self.rng, p):
@@ -155,7 +164,11 @@ class MultiLatentAttention(nn.Module):
         return out.permute(2, 0, 1, 3)  # [b, n, s, d_v] -> [s, b, n, d_v]
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        seq_len: int,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
         assert rope is not None, "MLA needs rope tables (config.position is 'rope')"
         if self.q_down is not None and self.q_norm is not None:
@@ -176,7 +189,8 @@ class MultiLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)  # [s, b, n/tp, nope + r]
         k = torch.cat([k_nope, k_rope.expand(s, b, self.heads, self.rope_dim)], dim=-1)
         recompute = self.recompute_core and self.training
-        out = run_core(self._core, q, k, v, seq_len, recompute, self.rng, self.dropout)
+        core = functools.partial(self._core, documents=documents)
+        out = run_core(core, q, k, v, seq_len, recompute, self.rng, self.dropout)
         out = out.reshape(s, b, self.heads * self.v_dim)
         result: torch.Tensor = self.proj(out)  # [s, b, n v / tp] -> [s(/tp), b, h]
         return result

@@ -62,7 +62,8 @@ def rope_tables(
     inv_freq: torch.Tensor | None = None,
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables ``[s, 1, 1, head_dim]`` for the given absolute positions ``[s]``.
+    """cos and sin tables ``[s, 1, 1, head_dim]`` for the given absolute positions ``[s]``,
+    or ``[s, b, 1, head_dim]`` for positions per sample ``[s, b]`` (packed documents).
 
     Positions are explicit so that context-parallel ranks, which hold non-contiguous
     chunks of the sequence, rotate by their tokens' true positions. ``inv_freq``
@@ -70,10 +71,11 @@ def rope_tables(
     """
     if inv_freq is None:
         inv_freq = _inv_freq(head_dim, theta, positions.device)
-    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
-    angles = torch.cat([angles, angles], dim=-1)  # [s, d/2] -> [s, d]
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    angles = torch.cat([angles, angles], dim=-1)  # [s(, b), d/2] -> [s(, b), d]
     cos, sin = angles.cos() * scale, angles.sin() * scale
-    return cos.to(dtype)[:, None, None, :], sin.to(dtype)[:, None, None, :]
+    shape = (positions.shape[0], -1, 1, head_dim)  # -> [s, 1 or b, 1, d]
+    return cos.to(dtype).view(shape), sin.to(dtype).view(shape)
 
 
 def rope_for(

@@ -10,6 +10,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from mega_models.config import GPTConfig
+from mega_models.doc_mask import DocumentMask
 from mega_models.head import Embedding
 from mega_models.rng_replay import rng_checkpoint_contexts
 from mega_models.stages import StageSpec
@@ -72,15 +73,17 @@ def run_layer(
     hidden: Tensor,
     rope: tuple[Tensor, Tensor] | None,
     seq_len: int,
+    documents: DocumentMask | None = None,
 ) -> Tensor:
-    """One layer on ``hidden``, recomputed in backward with ``recompute="full"``."""
+    """One layer on ``hidden``, recomputed in backward with ``recompute="full"``;
+    ``documents`` (packed documents) is passed on only when given."""
+    args = (hidden, rope, seq_len) if documents is None else (hidden, rope, seq_len, documents)
     if model.recompute == "full" and model.training:
         out = checkpoint(
-            layer, hidden, rope, seq_len, use_reentrant=False,
-            context_fn=rng_checkpoint_contexts(model.rng),
-        )  # fmt: skip
+            layer, *args, use_reentrant=False, context_fn=rng_checkpoint_contexts(model.rng)
+        )
     else:
-        out = layer(hidden, rope, seq_len)
+        out = layer(*args)
     assert isinstance(out, Tensor)
     return out
 
@@ -94,12 +97,13 @@ def run_stage(
     seq_len: int,
     *,
     head: bool = True,
+    documents: DocumentMask | None = None,
 ) -> Tensor:
     """``hidden`` through ``layers`` (recomputed in backward with ``recompute="full"``),
     then, on the last stage unless ``head`` is False, the final norm, output layer and
     loss (or logits)."""
     for layer in layers:
-        hidden = run_layer(model, layer, hidden, rope, seq_len)
+        hidden = run_layer(model, layer, hidden, rope, seq_len, documents)
     if not model.stage.last or not head:
         return hidden
     assert model.final_norm is not None
