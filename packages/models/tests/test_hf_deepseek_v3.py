@@ -1,11 +1,11 @@
 """HF bridge, DeepSeek-V3: a tiny random ``DeepseekV3ForCausalLM`` built with ``transformers``
 (no download), with one MTP depth stored as DeepSeek stores it (``model.layers.{L}``:
 ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, ``embed_tokens`` and a decoder layer),
-imported at tp 1, tp 2 and ep 2: the logits equal transformers' (latent attention with
+imported at tp 1, tp 2, ep 2 and pp 2 (MTP on the last stage): the logits equal transformers' (latent attention with
 interleaved rope rows, sigmoid routing with the correction bias, group-limited choice
 where a group scores its best 2, ``routed_scaling_factor``, a dense first layer, the
 shared expert), and the MTP loss equals one computed with transformers' own decoder layer
-and norms; exported back, the same tensors (MTP included) and config.json.
+and norms (one stage); exported back, the same tensors (MTP included) and config.json.
 
 ``transformers`` is imported only in the pytest process (inside fixtures and tests).
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from _hf_common import forward_stages, one_sentence, randomise, read_all, save
 from torch import nn
 
-from mega_models import GPTConfig, GPTModel, model_config
+from mega_models import GPTConfig, GPTModel, model_config, stage_spec
 from mega_models.hf import (
     default_architecture,
     gather_full_state,
@@ -182,23 +182,29 @@ def _chain(config: GPTConfig) -> int:
     return (c.num_layers + 1) * per_layer + 3 * h + c.vocab_size
 
 
-def _import_export(hf_dir: str, out_dir: str, tp: int, ep: int, ref: Checkpoint) -> None:
+def _import_export(
+    hf_dir: str, out_dir: str, layout: tuple[int, int, int], ref: Checkpoint
+) -> None:
     _, tokens, logits_ref, mtp_ref = ref
-    groups = init_process_groups(ParallelConfig(tp=tp, ep=ep))
+    tp, pp, ep = layout
+    groups = init_process_groups(ParallelConfig(tp=tp, pp=pp, ep=ep))
     config = gpt_config_from_hf(hf_dir)
-    model = GPTModel(config, groups, seed=5, device=rank_device()).eval()
+    split = (2, 1) if pp == 2 else None  # the dense layer and one MoE layer, then MoE + MTP
+    stage = stage_spec(config.num_layers, pp, groups.rank("pp"), split=split)
+    model = GPTModel(config, groups, stage=stage, seed=5, device=rank_device()).eval()
     load_hf_weights(model, hf_dir)
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     logits = forward_stages(model, groups, ids)  # the main logits (no labels: no MTP)
-    assert logits is not None
-    n, where = _chain(config), f"tp {tp} ep {ep}"
-    assert_close_to_reference(logits, logits_ref, reduction_length=n, name=f"logits at {where}")
-    with torch.no_grad():
-        model(ids.to(rank_device()), labels.to(rank_device()))
-    assert model.mtp_losses is not None
-    mtp = model.mtp_losses.cpu()
-    assert_close_to_reference(mtp, mtp_ref.reshape(1), reduction_length=n, name=f"MTP at {where}")
-    state = gather_full_state(model)  # collective over tp and ep
+    n, where = _chain(config), f"tp {tp} pp {pp} ep {ep}"
+    if logits is not None:
+        assert_close_to_reference(logits, logits_ref, reduction_length=n, name=f"logits, {where}")
+    if pp == 1:  # the MTP loss of one stage (forward_stages passes no labels along)
+        with torch.no_grad():
+            model(ids.to(rank_device()), labels.to(rank_device()))
+        assert model.mtp_losses is not None
+        mtp = model.mtp_losses.cpu()
+        assert_close_to_reference(mtp, mtp_ref.reshape(1), reduction_length=n, name=f"MTP, {where}")
+    state = gather_full_state(model, groups.pp)  # collective over tp, ep and pp
     if dist.get_rank() == 0:
         assert state is not None
         assert sorted(state) == sorted(gpt_parameter_names(config))
@@ -206,15 +212,19 @@ def _import_export(hf_dir: str, out_dir: str, tp: int, ep: int, ref: Checkpoint)
                            max_shard_size=SHARD_BYTES)  # fmt: skip
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "ep2"])
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_deepseek_v3_import_matches_transformers_and_export_is_identical(
-    dist_pool: DistPool, deepseek: Checkpoint, tmp_path: Path, tp: int, ep: int
+    dist_pool: DistPool, deepseek: Checkpoint, tmp_path: Path, name: str
 ) -> None:
     import transformers
 
-    hf_dir = deepseek[0]
+    hf_dir, layout = deepseek[0], LAYOUTS[name]
     out = tmp_path / "export"
-    dist_pool.run(_import_export, tp * ep, args=(str(hf_dir), str(out), tp, ep, deepseek))
+    world = layout[0] * layout[1] * layout[2]
+    dist_pool.run(_import_export, world, args=(str(hf_dir), str(out), layout, deepseek))
     original, exported = read_all(hf_dir), read_all(out)
     mtp = f"model.layers.{LAYERS}."
     kept = ("eh_proj.weight", "shared_head.head.weight", "mlp.gate.e_score_correction_bias",
@@ -245,7 +255,7 @@ def test_deepseek_v3_yarn_matches_transformers(
     assert (config.rope_scaling_factor, config.rope_original_max_position) == (4.0, 16)
     assert (config.rope_mscale, config.rope_mscale_all_dim) == (1.0, 1.0)
     out = tmp_path / "export"
-    dist_pool.run(_import_export, 1, args=(str(hf_dir), str(out), 1, 1, deepseek_yarn))
+    dist_pool.run(_import_export, 1, args=(str(hf_dir), str(out), (1, 1, 1), deepseek_yarn))
     written = json.loads((out / "config.json").read_text())
     assert (
         written["rope_parameters"]
