@@ -57,6 +57,12 @@ from mega_tp_layers.shard import (
 )
 from mega_tp_layers.te_backend import BACKENDS, Backend, fp8_autocast, te_available
 from mega_tp_layers.vocab import padded_vocab_size, vocab_range
+from mega_tp_layers.wgrad import (
+    WeightGradStore,
+    current_weight_grad_store,
+    defer_weight_grads,
+    split_linear,
+)
 
 try:
     __version__ = importlib.metadata.version("mega-tp-layers")
@@ -83,6 +89,7 @@ __all__ = [
     "ShardedModule",
     "Uniform",
     "VocabParallelEmbedding",
+    "WeightGradStore",
     "XavierUniform",
     "Zeros",
     "__version__",
@@ -90,6 +97,8 @@ __all__ = [
     "column_parallel_linear",
     "copy_to_tp_region",
     "creation_generator",
+    "current_weight_grad_store",
+    "defer_weight_grads",
     "fp8_autocast",
     "fp8_gemm_supported",
     "fp8_linear",
@@ -114,6 +123,7 @@ __all__ = [
     "set_shard_spec",
     "shard_spec",
     "shard_tensor",
+    "split_linear",
     "sync_sequence_parallel_grads",
     "te_available",
     "tp_rng_tracker",

@@ -65,6 +65,12 @@ from mega_tp_layers.params import ShardedModule, creation_generator
 from mega_tp_layers.shard import ShardSpec
 from mega_tp_layers.te_backend import Backend, check_backend, te_linear
 from mega_tp_layers.vocab import padded_vocab_size
+from mega_tp_layers.wgrad import (
+    WeightGradStore,
+    current_weight_grad_store,
+    flat_wgrad,
+    split_linear,
+)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_linear"]
 
@@ -81,10 +87,12 @@ class _ColumnParallelMatmul(Function):
         group: ProcessGroup,
         sequence_parallel: bool,
         fp8: Fp8Recipe | None,
+        deferred: tuple[WeightGradStore, Tensor, Tensor | None] | None = None,
     ) -> Tensor:
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
         ctx.fp8 = fp8
+        ctx.deferred = deferred  # (store, weight, bias): the W pass runs later from the store
         ctx.save_for_backward(x, weight)  # under SP only the local slice is kept
         total = all_gather_dim0(x, group)[0] if sequence_parallel else x  # [s/tp,b,h] -> [s,b,h]
         if fp8 is None:
@@ -98,6 +106,8 @@ class _ColumnParallelMatmul(Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         group, sp, fp8 = ctx.group, ctx.sequence_parallel, ctx.fp8
+        if ctx.deferred is not None:
+            return _column_dgrad_deferring_wgrad(ctx.deferred, x, weight, grad, group, sp)
         total, gather = x, None
         if sp and need_w:  # rebuild the gathered input, overlapped with the dgrad GEMM
             total, gather = all_gather_dim0(x, group, async_op=True)
@@ -131,7 +141,31 @@ class _ColumnParallelMatmul(Function):
                 grad_bias = grad_2d.sum(dim=0)
         if pending is not None:
             pending.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _column_dgrad_deferring_wgrad(
+    deferred: tuple[WeightGradStore, Tensor, Tensor | None],
+    x: Tensor,
+    weight: Tensor,
+    grad: Tensor,
+    group: ProcessGroup,
+    sp: bool,
+) -> tuple[Tensor | None, ...]:
+    """The input gradient now; the weight gradient (SP: from a new all-gather) in the W pass."""
+    store, w_param, b_param = deferred
+
+    def wgrad() -> tuple[Tensor | None, ...]:
+        total = all_gather_dim0(x, group)[0] if sp else x  # [s/tp, b, h] -> [s, b, h]
+        return flat_wgrad(grad, total, b_param is not None)
+
+    store.defer(wgrad, (w_param, b_param))
+    grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
+    if sp:
+        grad_input = reduce_scatter_dim0(grad_input, group)[0]  # -> [s/tp, b, h]
+    else:
+        all_reduce(grad_input, group)
+    return grad_input, None, None, None, None, None, None
 
 
 def column_parallel_linear(
@@ -161,9 +195,16 @@ def column_parallel_linear(
     if overlap:
         out = all_gather_linear(x, weight, bias, tp_group=tp_group, fp8=fp8)
         return gather_from_tp_region(out, tp_group) if gather_output else out
+    store = current_weight_grad_store() if fp8 is None else None
     if tp == 1:
+        if store is not None:
+            return split_linear(x, weight, bias, store)
         return F.linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, bias, recipe=fp8)
-    if fp8 is None:
+    if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
+        deferred = (store, weight, bias)
+        w, b = weight.detach(), None if bias is None else bias.detach()
+        out = _ColumnParallelMatmul.apply(x, w, b, tp_group, sequence_parallel, None, deferred)
+    elif fp8 is None:
         out = _ColumnParallelMatmul.apply(x, weight, bias, tp_group, sequence_parallel, fp8)
     else:  # the Function runs on [tokens, h]; gathering dim 0 keeps the sequence-major order
         lead = (x.shape[0] * (group_size(tp_group) if sequence_parallel else 1), *x.shape[1:-1])
@@ -457,7 +498,10 @@ class RowParallelLinear(ShardedModule):
             return result
         bias = None if self.skip_bias_add else self.bias
         fp8 = self.fp8
+        store = current_weight_grad_store() if fp8 is None else None
         if tp == 1:
+            if store is not None:
+                return split_linear(x, self.weight, bias, store)
             if fp8 is not None:
                 return fp8_linear(x, self.weight, bias, recipe=fp8)
             return F.linear(x, self.weight, bias)
@@ -465,11 +509,12 @@ class RowParallelLinear(ShardedModule):
             out = linear_reduce_scatter(x, self.weight, tp_group=group, fp8=fp8)
             return out if bias is None else out + bias
         # [s, b, in/tp] -> [s, b, out], partial over tp
-        partial = (
-            F.linear(x, self.weight)
-            if fp8 is None  # the input and weight are shards over tp: scaled as the wholes
-            else fp8_linear(x, self.weight, recipe=fp8, x_group=group, w_group=group)
-        )
+        if store is not None:
+            partial = split_linear(x, self.weight, None, store)
+        elif fp8 is None:
+            partial = F.linear(x, self.weight)
+        else:  # the input and weight are shards over tp: scaled as the wholes
+            partial = fp8_linear(x, self.weight, recipe=fp8, x_group=group, w_group=group)
         if sp:
             out = reduce_scatter_to_sequence_region(partial, group)  # -> [s/tp, b, out]
         else:

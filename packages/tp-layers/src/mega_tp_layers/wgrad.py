@@ -1,0 +1,128 @@
+"""Split backward: input gradients in the backward pass, weight gradients later (a W pass).
+
+Zero-bubble pipeline schedules run a stage's backward in two parts: ``B`` computes the
+gradient of the stage's input (which the previous stage waits for) and ``W`` the weight
+gradients (which nothing waits for, so they fill the pipeline's bubbles). A forward run
+inside :func:`defer_weight_grads` marks the linear layers it passes through: their
+backward then computes only the input gradient and leaves ``(input, output gradient)`` in
+the store the context yielded; :meth:`WeightGradStore.run` later computes the weight (and
+column bias) gradients from them and accumulates each into its parameter through
+autograd, so ``.grad`` (or a data-parallel wrapper's ``main_grad``) receives exactly what
+the fused backward would have given and every post-accumulate-grad hook fires then, once.
+
+The decision is taken in forward because a weight that took part in the forward graph
+has its gradient accumulator run in backward even when no gradient reaches it, and a
+data-parallel wrapper counts that as the gradient having arrived. Layers without a split
+(norms, embeddings, experts, FP8 or overlapped GEMMs) keep their fused backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import Function
+
+__all__ = ["WeightGradStore", "current_weight_grad_store", "defer_weight_grads", "split_linear"]
+
+#: computes (grad of each parameter or None) from what the backward saved
+WeightGradFn = Callable[[], tuple[Tensor | None, ...]]
+
+_CURRENT: ContextVar[WeightGradStore | None] = ContextVar("mega_weight_grad_store", default=None)
+
+
+class WeightGradStore:
+    """The weight-gradient passes deferred by one forward's backward, run by :meth:`run`."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[WeightGradFn, tuple[Tensor | None, ...]]] = []
+
+    def defer(self, compute: WeightGradFn, params: tuple[Tensor | None, ...]) -> None:
+        """Queue ``compute``, whose results are the gradients of ``params`` (None: none)."""
+        self._pending.append((compute, params))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def run(self) -> None:
+        """Compute every queued weight gradient and accumulate it into its parameter.
+
+        All gradients go through one autograd call, so each parameter's gradient
+        accumulator (and the hooks on it) runs once, however many layers used it.
+        """
+        pending, self._pending = self._pending, []
+        grads: dict[int, tuple[Tensor, Tensor]] = {}
+        for compute, params in pending:
+            with torch.no_grad():  # the gradients are values; autograd only accumulates them
+                values = compute()
+            for param, grad in zip(params, values, strict=True):
+                if param is None or grad is None:
+                    continue
+                seen = grads.get(id(param))
+                grads[id(param)] = (param, grad if seen is None else seen[1] + grad)
+        if grads:
+            torch.autograd.backward(
+                [p for p, _ in grads.values()], grad_tensors=[g for _, g in grads.values()]
+            )
+
+
+@contextmanager
+def defer_weight_grads() -> Iterator[WeightGradStore]:
+    """Forwards inside defer their split layers' weight gradients to the yielded store."""
+    store = WeightGradStore()
+    token = _CURRENT.set(store)
+    try:
+        yield store
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_weight_grad_store() -> WeightGradStore | None:
+    """The store of the innermost :func:`defer_weight_grads`, when grad mode is on."""
+    return _CURRENT.get() if torch.is_grad_enabled() else None
+
+
+def flat_wgrad(grad: Tensor, inp: Tensor, with_bias: bool) -> tuple[Tensor, Tensor | None]:
+    """Weight and bias gradients of ``y = x W^T + b`` from ``[.., out]`` grad, ``[.., in]`` x."""
+    grad_2d = grad.reshape(-1, grad.shape[-1])  # [s*b, out]
+    inp_2d = inp.reshape(-1, inp.shape[-1])  # [s*b, in]
+    return grad_2d.t().matmul(inp_2d), grad_2d.sum(dim=0) if with_bias else None
+
+
+class _SplitLinear(Function):
+    """fwd: ``x W^T + b`` · bwd: input gradient now, weight/bias gradients queued in the store"""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        params: tuple[Tensor, Tensor | None],
+        store: WeightGradStore,
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.params, ctx.store = params, store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        params = ctx.params
+        ctx.store.defer(lambda: flat_wgrad(grad, x, params[1] is not None), params)
+        grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        return grad_input, None, None, None, None
+
+
+def split_linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore) -> Tensor:
+    """``F.linear(x, weight, bias)`` whose weight and bias gradients ``store`` computes later."""
+    out = _SplitLinear.apply(
+        x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), store
+    )
+    assert isinstance(out, Tensor)
+    return out
