@@ -216,6 +216,10 @@ def test_config_errors() -> None:
         "mtp_num_layers (1) is not supported by hybrid models (multi-token prediction is "
         "built for the GPT family); set it to 0"
     )
+    assert _raises(ValueError, lambda: config(attention="mla")) == (
+        "attention ('mla') is not supported by hybrid models, whose attention layers are "
+        "standard (GQA) self-attention; set attention to 'mha'"
+    )
     assert config(pattern="M*M-M*").num_layers == 6  # replace(pattern=...) follows the pattern
 
 
