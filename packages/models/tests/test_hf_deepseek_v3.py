@@ -12,7 +12,11 @@ and norms (one stage); exported back, the same tensors (MTP included) and config
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -347,3 +351,27 @@ def test_deepseek_v3_bad_input_fails_in_one_sentence(deepseek: Checkpoint) -> No
         with pytest.raises(ValueError) as err:
             hf_config_from_gpt(config, arch)
         one_sentence(err, *words)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mega_pretrain") is None, reason="needs the mega-pretrain app"
+)
+def test_deepseek_v3_through_the_trainers_convert(deepseek: Checkpoint, tmp_path: Path) -> None:
+    """``mega-pretrain convert`` into a run folder and back: every tensor (the correction
+    biases in the trainer's checkpoint, the MTP depth) and the config.json come back."""
+    env = {**os.environ, "MEGA_PRETRAIN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    hf_dir, run, out = deepseek[0], tmp_path / "run", tmp_path / "out"
+    for args in (["--from-hf", str(hf_dir), "--to", str(run), "--train.seq_len", "32"],
+                 ["--to-hf", str(out), "--from", str(run), "--train.seq_len", "32"]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "mega_pretrain", "convert", *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    original, exported = read_all(hf_dir), read_all(out)
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    written = json.loads((out / "config.json").read_text())
+    source = json.loads((hf_dir / "config.json").read_text())
+    assert {k: written.get(k) for k in source} == source
