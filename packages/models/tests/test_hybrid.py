@@ -216,7 +216,9 @@ def test_config_errors() -> None:
         "mtp_num_layers (1) is not supported by hybrid models (multi-token prediction is "
         "built for the GPT family); set it to 0"
     )
-    assert _raises(ValueError, lambda: config(attention="mla")) == (
+    mla = {"attention": "mla", "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+           "qk_rope_head_dim": 4, "v_head_dim": 8}  # fmt: skip
+    assert _raises(ValueError, lambda: config(**mla)) == (
         "attention ('mla') is not supported by hybrid models, whose attention layers are "
         "standard (GQA) self-attention; set attention to 'mha'"
     )

@@ -84,6 +84,11 @@ class HybridConfig(GPTConfig):
                 f"mtp_num_layers ({self.mtp_num_layers!r}) is not supported by hybrid models "
                 "(multi-token prediction is built for the GPT family); set it to 0"
             )
+        if self.attention != "mha":
+            raise ValueError(
+                f"attention ({self.attention!r}) is not supported by hybrid models, whose "
+                "attention layers are standard (GQA) self-attention; set attention to 'mha'"
+            )
         super().__post_init__()
         p = self.pattern
         if not isinstance(p, str) or not p:
