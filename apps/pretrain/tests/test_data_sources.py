@@ -404,3 +404,36 @@ def test_the_printed_data_paths_trains(tmp_path: Path) -> None:
     records = [json.loads(x) for x in (tmp_path / "runs/hf/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
     assert np.isfinite([r["loss"] for r in records if r["kind"] == "train"]).all()
+
+
+class _DyingTokenizer(_StoppingTokenizer):
+    """Exits its process at the document ``stop_at``, as a worker killed by the OOM killer."""
+
+    def encode(self, text: str) -> list[int]:
+        if text == self.stop_at:
+            import os
+
+            os._exit(9)
+        return list(text.encode("utf-8"))
+
+
+def test_a_dead_worker_stops_the_run_and_its_complete_shards_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the spawned workers unpickle the tokenizer by its module: make this file importable
+    # there under a plain name (pytest imports it under its path's dotted name)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.setitem(sys.modules, "test_data_sources", sys.modules[__name__])
+    monkeypatch.setattr(_DyingTokenizer, "__module__", "test_data_sources")
+    texts = [f"doc {i:03d}" for i in range(60)]
+    (tmp_path / "d.jsonl").write_bytes(_jsonl_bytes(texts))
+    tok = _DyingTokenizer()
+    tok.stop_at = "doc 055"
+    with pytest.raises(RuntimeError, match=r"^preprocess worker preprocess-\d exited \(code 9\) "
+                       r"with \d+ shards unwritten \(.*\); run the same command again to resume"):  # fmt: skip
+        preprocess(tmp_path / "d.jsonl", tmp_path / "o", tok, workers=2, shard_bytes=200,
+                   progress=False)  # fmt: skip
+    assert list((tmp_path / "o.shards").glob("shard-*.json"))  # kept for the rerun
+    tok.stop_at = None
+    stats = preprocess(tmp_path / "d.jsonl", tmp_path / "o", tok, shard_bytes=200, progress=False)
+    assert stats.resumed > 0 and _docs(tmp_path / "o") == [[*t.encode(), 256] for t in texts]

@@ -130,8 +130,9 @@ def run_shards(
                     code = dead[0].exitcode if dead else 0
                     raise RuntimeError(
                         f"preprocess worker {(dead or procs)[0].name} exited (code {code}) with "
-                        f"{remaining} shards unwritten; run the same command again to resume "
-                        f"from the complete shards in {job.folder}"
+                        f"{remaining} shards unwritten (its traceback, if it printed one, is "
+                        "above); run the same command again to resume from the complete "
+                        f"shards in {job.folder}"
                     ) from None
                 continue
             if message[0] == "progress":
