@@ -123,11 +123,11 @@ def _net() -> nn.Sequential:
     ).to(rank_device())
 
 
-def _nonfinite(use_scaler: bool, bad_step: int) -> dict[str, object]:
+def _nonfinite(use_scaler: bool, bad_step: int, sharding: str = "optimizer") -> dict[str, object]:
     """Train 4 steps of a loss-scaled (or plain) run; rank 1 poisons a gradient at bad_step."""
     groups = init_process_groups(ParallelConfig())
     ddp = DistributedDataParallel(
-        _net(), dp_group=groups.dp, bucket_size=20, overlap_grad_reduce=False
+        _net(), dp_group=groups.dp, bucket_size=20, overlap_grad_reduce=False, sharding=sharding
     )  # reduced in step(), after the poisoning below
     scaler = DynamicLossScaler(initial_scale=1024.0, hysteresis=1) if use_scaler else None
     opt = DistributedOptimizer(
@@ -155,8 +155,9 @@ def _nonfinite(use_scaler: bool, bad_step: int) -> dict[str, object]:
             ref_opt.zero_grad()
             F.mse_loss(ref(x), y).backward()
             ref_opt.step()
-    for (name, p), r in zip(ddp.module.named_parameters(), ref.parameters(), strict=True):
-        assert_close_to_reference(p, r, reduction_length=N, name=name)
+    with ddp.gathered_parameters():
+        for (name, p), r in zip(ddp.module.named_parameters(), ref.parameters(), strict=True):
+            assert_close_to_reference(p, r, reduction_length=N, name=name)
     return {"results": results}
 
 
@@ -167,8 +168,9 @@ def test_nan_gradient_names_step_and_parameter(dist_pool: DistPool) -> None:
         assert "\n" not in message
 
 
-def test_loss_scaler_skips_the_step_and_backs_off(dist_pool: DistPool) -> None:
-    for got in dist_pool.run(_nonfinite, 2, args=(True, 2)):
+@pytest.mark.parametrize("sharding", ["optimizer", "gradients", "parameters"])
+def test_loss_scaler_skips_the_step_and_backs_off(dist_pool: DistPool, sharding: str) -> None:
+    for got in dist_pool.run(_nonfinite, 2, args=(True, 2, sharding)):
         # power-of-two scaling is exact, so the scaled run equals the plain reference
         assert got["results"] == [(True, 1024.0), (False, 1024.0), (True, 512.0), (True, 512.0)]
 
@@ -210,17 +212,17 @@ def _check_first_update(
             )
 
 
-def _fp16() -> dict[str, object]:
+def _fp16(sharding: str) -> dict[str, object]:
     groups = init_process_groups(ParallelConfig())
     net = _net().half()
-    ddp = DistributedDataParallel(net, dp_group=groups.dp, bucket_size=50)
+    before = [p.detach().clone() for p in net.parameters()]  # ZeRO-3 keeps shards only
+    start = {k: v.clone() for k, v in net.state_dict().items()}  # skipped steps keep these
+    ddp = DistributedDataParallel(net, dp_group=groups.dp, bucket_size=50, sharding=sharding)
     # 2^20 overflows fp16 gradients: the first steps are skipped until the scale fits
     scaler = DynamicLossScaler(initial_scale=2.0**20, hysteresis=1, max_scale=2.0**20)
     opt = DistributedOptimizer(
         torch.optim.AdamW(ddp.parameters(), lr=FP16_LR, eps=FP16_EPS), ddp, loss_scaler=scaler
     )
-    before = [p.detach().clone() for p in net.parameters()]
-    start = {k: v.clone() for k, v in net.state_dict().items()}  # skipped steps keep these
     updated = []
     for step in range(12):
         g = torch.Generator().manual_seed(step)
@@ -232,18 +234,20 @@ def _fp16() -> dict[str, object]:
         if result.updated and True not in updated:  # the first update: Adam's state starts here
             _check_first_update(opt, start, x, y)
         updated.append(result.updated)
-    moved = any(not torch.equal(a, p) for a, p in zip(before, net.parameters(), strict=True))
     state = opt.state_dict()["params"]
-    for name, p in net.named_parameters():  # fp16 parameters are the rounding of fp32 masters
-        for piece in state[name]["pieces"]:
-            assert torch.equal(
-                p.detach().flatten()[piece["start"] : piece["end"]], piece["master"].half()
-            )
+    with ddp.gathered_parameters():
+        moved = any(not torch.equal(a, p) for a, p in zip(before, net.parameters(), strict=True))
+        for name, p in net.named_parameters():  # fp16 parameters: the rounding of fp32 masters
+            for piece in state[name]["pieces"]:
+                assert torch.equal(
+                    p.detach().flatten()[piece["start"] : piece["end"]], piece["master"].half()
+                )
     return {"updated": updated, "scale": scaler.scale, "moved": moved}
 
 
-def test_fp16_training_with_dynamic_scaling(dist_pool: DistPool) -> None:
-    got = dist_pool.run(_fp16, 2)[0]
+@pytest.mark.parametrize("sharding", ["optimizer", "gradients", "parameters"])
+def test_fp16_training_with_dynamic_scaling(dist_pool: DistPool, sharding: str) -> None:
+    got = dist_pool.run(_fp16, 2, args=(sharding,))[0]
     updated = got["updated"]
     assert isinstance(updated, list)
     assert not updated[0] and updated[-1] and got["moved"]

@@ -74,6 +74,9 @@ class Case:
     optimizer: str = "adamw"
     grad_reduce: str = "mean"
     use_distributed_optimizer: bool = True
+    sharding: str = "optimizer"
+    sync_each_micro: bool = False  # no no_sync(): every microbatch reduce-scatters
+    prefetch: int = 1
 
 
 CASES = {
@@ -92,6 +95,22 @@ CASES = {
     "sum": Case(grad_reduce="sum"),
     "all_reduce": Case(use_distributed_optimizer=False, bucket_size=300),
 }
+# ZeRO-2 and ZeRO-3: the same contract; bucket_size 300 cuts a unit into several buckets,
+# and at dp 4 (and dp 2 for the odd biases) parameters straddle dp shards
+# (ZeRO-1 refuses a second synced backward in a step: no accumulation_each_micro there)
+_SHARDED = {
+    name: CASES[name]
+    for name in (
+        "plain accumulation clipping straddling one_bucket frozen tied no_grad_some_steps "
+        "no_overlap fused_clipping sum"
+    ).split()
+}
+_SHARDED["accumulation_each_micro"] = Case(microbatches=3, sync_each_micro=True)
+for _stage in ("gradients", "parameters"):
+    for _name, _case in _SHARDED.items():
+        CASES[f"{_stage}_{_name}"] = replace(_case, sharding=_stage)
+CASES["parameters_no_prefetch"] = Case(sharding="parameters", prefetch=0, bucket_size=300)
+CASES["parameters_prefetch_2"] = Case(sharding="parameters", prefetch=2, bucket_size=300)
 
 
 def _make_optimizer(kind: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -153,6 +172,8 @@ def _build(
         overlap_grad_reduce=case.overlap_grad_reduce,
         use_distributed_optimizer=case.use_distributed_optimizer,
         grad_reduce=case.grad_reduce,
+        sharding=case.sharding,
+        prefetch=case.prefetch,
     )
     opt = DistributedOptimizer(
         _make_optimizer(case.optimizer, list(ddp.parameters())),
@@ -174,7 +195,7 @@ def _train(
         opt.zero_grad()
         for m in range(case.microbatches):
             last = m == case.microbatches - 1
-            with nullcontext() if last else ddp.no_sync():
+            with nullcontext() if last or case.sync_each_micro else ddp.no_sync():
                 x, y = _batch(step, m, rank_device())
                 out = ddp(x[mine], use_side=step % 2 == 0)
                 (F.mse_loss(out, y[mine]) / case.microbatches).backward()
@@ -188,9 +209,10 @@ def _train(
 def _assert_same_params(ddp: DistributedDataParallel, ref: nn.Module) -> float:
     ref_params = dict(ref.named_parameters())
     worst = 0.0
-    for name, p in ddp.module.named_parameters():
-        assert_close_to_reference(p, ref_params[name], reduction_length=N, name=name)
-        worst = max(worst, float((p - ref_params[name]).abs().max()))
+    with ddp.gathered_parameters():  # ZeRO-3 keeps only shards between uses
+        for name, p in ddp.module.named_parameters():
+            assert_close_to_reference(p, ref_params[name], reduction_length=N, name=name)
+            worst = max(worst, float((p - ref_params[name]).abs().max()))
     return worst
 
 
@@ -205,9 +227,19 @@ def _check_case(name: str) -> float:
     )
     if case.max_grad_norm is not None:
         assert min(ref_norms) > case.max_grad_norm, "clipping must be active in this case"
-    if case.bucket_size == 300:  # some parameter lies in two buckets, so in several shards
-        names = [n for info in ddp.bucket_info() for n in info.params]
+    if case.bucket_size == 300 and case.sharding == "optimizer":
+        names = [n for info in ddp.bucket_info() for n in info.params]  # some in two buckets
         assert len(names) > len(set(names))
+    if case.bucket_size == 300 and case.sharding != "optimizer":
+        buffer = ddp.param_and_grad_buffers[0]  # buckets end at parameter boundaries
+        assert all(len(buffer.buckets_of[id(p)]) == 1 for p in buffer.params)
+        if ddp.dp_size > 1:  # ... and some parameter straddles two dp shards
+            cuts = [
+                b.where.start + k * b.where.size // ddp.dp_size
+                for b in buffer.buckets
+                for k in range(1, ddp.dp_size)
+            ]
+            assert any(r.start < c < r.end for r in buffer.ranges for c in cuts)
     if case.frozen:
         frozen = ddp.module.mid.bias
         assert not hasattr(frozen, "main_grad")

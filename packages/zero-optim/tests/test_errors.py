@@ -108,6 +108,35 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
         lambda: _load_into(_net(), {"state": {}, "param_groups": []}),
         "this is not a DistributedOptimizer state dict",
     ),
+    "sharding_name": (
+        lambda: _ddp(sharding="params"),
+        "sharding ('params') must be one of 'optimizer', 'gradients', 'parameters' (ZeRO-1, -2, -3)",
+    ),
+    "sharding_all_reduce": (
+        lambda: _ddp(sharding="gradients", use_distributed_optimizer=False),
+        "sharding='gradients' needs use_distributed_optimizer=True (an all-reduce keeps every "
+        "gradient whole); use sharding='optimizer' for a plain all-reduce",
+    ),
+    "prefetch": (
+        lambda: _ddp(sharding="parameters", prefetch=-1),
+        "prefetch (-1) must be a number of buckets >= 0",
+    ),
+    "gather_units_without_zero3": (
+        lambda: (m := _net(), _ddp(m, sharding="gradients", gather_units=[m[0]])),
+        "gather_units are the modules ZeRO-3 gathers at once, but sharding is 'gradients'; "
+        "pass sharding='parameters' or leave gather_units out",
+    ),
+    "gather_unit_elsewhere": (
+        lambda: _ddp(sharding="parameters", gather_units=[nn.Linear(2, 2)]),
+        "gather unit Linear is not a submodule of the wrapped Sequential",
+    ),
+    "overlap_param_gather_zero3": (
+        lambda: (
+            d := _ddp(sharding="parameters"),
+            DistributedOptimizer(torch.optim.AdamW(d.parameters()), d, overlap_param_gather=True),
+        ),
+        "overlap_param_gather does not apply to sharding='parameters'",
+    ),
 }
 
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from mega_zero_optim import Range, owned_pieces
-from mega_zero_optim.shard_range import bucket_ranges, pack, shard_of
+from mega_zero_optim.shard_range import aligned_layout, bucket_ranges, pack, shard_of
 
 
 def test_pack_lays_tensors_end_to_end() -> None:
@@ -75,3 +75,24 @@ def test_every_element_owned_exactly_once(dp: int, bucket_size: int | None) -> N
                 for e in range(piece.in_param.start, piece.in_param.end):
                     seen[piece.index][e] += 1
     assert all(count == 1 for counts in seen.values() for count in counts)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_size", [None, 1, 7, 40])
+def test_aligned_layout_keeps_tensors_and_units_whole(dp: int, bucket_size: int | None) -> None:
+    numels = [5, 12, 1, 9, 30, 2, 8]
+    units = [0, 0, 1, 1, 1, 2, 2]
+    tensors, buckets = aligned_layout(numels, units, bucket_size, dp)
+    assert [t.size for t in tensors] == numels
+    assert buckets[0].start == 0 and all(a.end == b.start for a, b in itertools.pairwise(buckets))
+    for bucket in buckets:
+        assert bucket.size % dp == 0
+        inside = [i for i, t in enumerate(tensors) if t.intersect(bucket)]
+        assert inside, "no empty bucket"
+        assert all(
+            bucket.start <= tensors[i].start and tensors[i].end <= bucket.end for i in inside
+        )
+        assert len({units[i] for i in inside}) == 1  # a bucket never mixes gather units
+        if bucket_size is not None and len(inside) > 1:  # it closes once it is full
+            assert tensors[inside[-2]].end - bucket.start < bucket_size
+        assert bucket.end - tensors[inside[-1]].end < dp  # padding only to whole shards

@@ -87,6 +87,16 @@ class ParamAndGradBuffer:
         """Parameter elements in the buffer, padding excluded."""
         return self.ranges[-1].end
 
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the parameter buffer."""
+        return self.param_data.numel() * self.param_data.element_size()
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the gradient buffer."""
+        return self.grad_data.numel() * self.grad_data.element_size()
+
     def broadcast_params(self, dp_group: ProcessGroup) -> None:
         """Make every dp rank's parameters equal to those of dp rank 0."""
         if dist.get_world_size(dp_group) > 1:

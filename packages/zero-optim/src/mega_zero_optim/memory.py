@@ -11,10 +11,14 @@ __all__ = ["MemoryReport"]
 class MemoryReport:
     """Bytes this rank allocated for its trainable parameters, by kind.
 
-    With bf16 parameters, fp32 gradients and Adam, ``bytes_per_param`` is about
-    2 + 4 + 12/dp: the parameter and gradient buffers are whole on every rank, the fp32
-    master weights and both moments only for the rank's shard. (fp32 parameters need no
-    separate master copy: 4 + 4 + 8/dp.)
+    Counted from the storages allocated when asked. With bf16 parameters, fp32 gradients
+    and Adam, ``bytes_per_param`` is about 2 + 4 + 12/dp for ``sharding="optimizer"``
+    (ZeRO-1: the parameter and gradient buffers are whole on every rank, the fp32 master
+    weights and both moments only for the rank's shard), 2 + 16/dp for ``"gradients"``
+    (ZeRO-2: only the gradient shards persist; during backward a few buckets' full
+    gradients come and go) and 18/dp for ``"parameters"`` (ZeRO-3, between uses: the
+    gathered buckets are freed). fp32 parameters need no separate master copy
+    (4 + 4 + 8/dp for ZeRO-1). Padding to whole dp shards counts as allocated.
     """
 
     num_params: int

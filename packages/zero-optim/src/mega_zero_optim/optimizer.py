@@ -18,6 +18,8 @@ from mega_zero_optim.ddp import DistributedDataParallel
 from mega_zero_optim.memory import MemoryReport
 from mega_zero_optim.scaler import DynamicLossScaler
 from mega_zero_optim.shard_range import Range, owned_pieces
+from mega_zero_optim.sharded_bucket import ShardedBucket
+from mega_zero_optim.sharded_buffer import ShardedBuffer
 from mega_zero_optim.state import FORMAT, assemble_piece, check_shards
 
 __all__ = ["DistributedOptimizer", "StepResult"]
@@ -57,7 +59,7 @@ class _Piece:
 class _Shard:
     """One bucket's owned shard: where the master values are written back from."""
 
-    bucket: Bucket
+    bucket: Bucket | ShardedBucket
     master: torch.Tensor  # [bucket/dp] fp32; the parameter shard itself for fp32 params
 
 
@@ -86,6 +88,12 @@ class DistributedOptimizer:
         loss_scaler: DynamicLossScaler | None = None,
         overlap_param_gather: bool = False,
     ) -> None:
+        ddps = [ddp] if isinstance(ddp, DistributedDataParallel) else list(ddp)
+        if overlap_param_gather and any(d.sharding == "parameters" for d in ddps):
+            raise ValueError(
+                "overlap_param_gather does not apply to sharding='parameters' (each forward "
+                "gathers the parameter shards it uses, prefetching ahead); leave it False"
+            )
         if type(optimizer) not in SHARDABLE:
             raise ValueError(
                 f"{type(optimizer).__name__} cannot be sharded by DistributedOptimizer (its update "
@@ -103,7 +111,7 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         # fused torch optimizers apply a grad_scale tensor inside their kernel
         self._fused = all(bool(g.get("fused")) for g in optimizer.param_groups)
-        self.ddps = [ddp] if isinstance(ddp, DistributedDataParallel) else list(ddp)
+        self.ddps = ddps
         self.max_grad_norm = max_grad_norm
         self.grad_norm_group = grad_norm_group
         self.loss_scaler = loss_scaler
@@ -133,7 +141,7 @@ class DistributedOptimizer:
 
     # construction ------------------------------------------------------------------------
 
-    def _buffers(self) -> list[tuple[str, ParamAndGradBuffer]]:
+    def _buffers(self) -> list[tuple[str, ParamAndGradBuffer | ShardedBuffer]]:
         prefixed = len(self.ddps) > 1
         return [
             (f"{i}." if prefixed else "", buffer)
@@ -170,7 +178,7 @@ class DistributedOptimizer:
                             name=name,
                             in_param=piece.in_param,
                             master=master[local.start : local.end],
-                            grad=buffer.grad_data[piece.in_buffer.start : piece.in_buffer.end],
+                            grad=bucket.grad_shard[local.start : local.end],
                             counts=counts_in_norm(p),
                         )
                     )
@@ -388,8 +396,8 @@ class DistributedOptimizer:
         )
         return MemoryReport(
             num_params=sum(b.num_params for b in buffers),
-            param_bytes=sum(b.param_data.numel() * b.param_data.element_size() for b in buffers),
-            grad_bytes=sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+            param_bytes=sum(b.param_bytes for b in buffers),
+            grad_bytes=sum(b.grad_bytes for b in buffers),
             master_bytes=self._master_bytes,
             state_bytes=state_bytes,
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 __all__ = [
     "Piece",
     "Range",
+    "aligned_layout",
     "bucket_ranges",
     "owned_pieces",
     "pack",
@@ -125,3 +126,45 @@ Piece(index=1, in_buffer=Range(start=3, end=6), in_param=Range(start=0, end=3))]
         if common is not None:
             pieces.append(Piece(index, common, common.shift(where.start)))
     return pieces
+
+
+def aligned_layout(
+    numels: Sequence[int], units: Sequence[int], bucket_size: int | None, dp: int
+) -> tuple[list[Range], list[Range]]:
+    """Pack tensors into buckets that end at tensor boundaries: (tensor ranges, bucket ranges).
+
+    The layout of the gradient- and parameter-sharded stages, where each bucket owns its
+    own storage (freed and re-allocated whole), so no tensor may straddle two buckets. A
+    bucket closes once it holds ``bucket_size`` elements (None: never) or before the next
+    tensor of another ``units`` id (a gather unit's buckets hold only its tensors); each
+    bucket is padded to a multiple of ``dp``, so tensors keep straddling dp shards. A
+    tensor larger than ``bucket_size`` gets a bucket of its own.
+
+    >>> aligned_layout([3, 2, 4], [0, 0, 0], 4, 2)
+    ([Range(start=0, end=3), Range(start=3, end=5), Range(start=6, end=10)], \
+[Range(start=0, end=6), Range(start=6, end=10)])
+    >>> aligned_layout([3, 2], [0, 1], None, 4)[1]
+    [Range(start=0, end=4), Range(start=4, end=8)]
+    """
+    assert len(numels) == len(units) and dp >= 1
+    tensors: list[Range] = []
+    buckets: list[Range] = []
+    start = offset = 0  # the open bucket begins at ``start``; the next tensor at ``offset``
+
+    def close() -> None:
+        nonlocal start, offset
+        if offset > start:
+            end = start + -(-(offset - start) // dp) * dp
+            buckets.append(Range(start, end))
+            start = offset = end
+
+    for i, n in enumerate(numels):
+        assert n >= 0
+        if i > 0 and units[i] != units[i - 1]:
+            close()
+        tensors.append(Range(offset, offset + n))
+        offset += n
+        if bucket_size is not None and offset - start >= bucket_size:
+            close()
+    close()
+    return tensors, buckets
