@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from mega_models import GPTConfig, lm_head, stage_spec
+from mega_models.doc_mask import DocumentPacking
 from mega_models.families import ModelChunk
 from mega_models.spec import spec_for
 from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 from mega_pretrain.config import TrainConfig, TrainerConfig
+from mega_pretrain.data.packing import packing_for
 from mega_pretrain.plan import resolve_model_config
 from mega_pretrain.runtime import resolve_precision
 from mega_tp_layers import RNGStatesTracker, tp_rng_tracker
@@ -37,6 +39,7 @@ class Built:
 
     ``ddp`` reduces the dense parameters' gradients over dp x cp; an MoE model also has
     ``expert_ddp``, which reduces the expert weights' over the expert data-parallel group.
+    ``packing``: how packed documents are read (``data.reset_*``, ``data.eod_mask_loss``).
     """
 
     chunks: list[ModelChunk]
@@ -44,6 +47,7 @@ class Built:
     optimizer: DistributedOptimizer
     rng: RNGStatesTracker
     expert_ddp: DistributedDataParallel | None = None
+    packing: DocumentPacking | None = None
 
     @property
     def ddps(self) -> list[DistributedDataParallel]:
@@ -139,7 +143,7 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         loss_scaler=DynamicLossScaler() if t.precision == "fp16" else None,
         overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
     )  # fmt: skip
-    return Built(chunks, ddp, optimizer, rng, expert_ddp)
+    return Built(chunks, ddp, optimizer, rng, expert_ddp, packing_for(config))
 
 
 def _group_settings(train: TrainConfig, index: int) -> dict[str, Any]:

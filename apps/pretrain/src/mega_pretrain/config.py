@@ -151,6 +151,14 @@ class DataConfig:
     """Tokenizer spec: byte, hf:PATH, tiktoken:PATH."""
     valid_fraction: float = 0.02
     """Share of documents held out for evaluation."""
+    reset_position_ids: bool = False
+    """Positions restart at 0 after each EOD of a packed sample (Megatron's flag)."""
+    reset_attention_mask: bool = False
+    """A token attends only to earlier tokens of its own document in a packed sample; the
+    EOD belongs to the document it ends (Megatron's flag)."""
+    eod_mask_loss: bool = False
+    """Leave the predictions made at EOD inputs (whose targets are the next document's first
+    token) out of the loss, the mean over the remaining positions (Megatron's flag)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from mega_models import finalize_model_grads, gpt_forward_step
+from mega_models.doc_mask import loss_mask
 from mega_moe import MoELayer, update_expert_biases
 from mega_parallel_grid import ProcessGroups
 from mega_pipeline import (
@@ -39,6 +40,12 @@ class StepRunner:
     weighted like the language-model loss; after each optimizer step the aux-loss-free
     expert biases move toward balance.
 
+    Packed documents (``built.packing``): with ``eod_mask_loss`` the loss is the sum over the
+    counted positions (inputs other than EOD) of the global batch divided by their number,
+    counted over this dp rank's micro-batches and summed over dp before the schedule runs;
+    each micro-batch carries the share ``count / (micro-batches * dp)``, so the schedule's
+    mean over micro-batches and the DDP's over dp x cp give that mean at any layout.
+
     Multi-token prediction: each micro-batch's loss also holds its MTP term, which the
     model attaches to the main per-token loss (weighted like it); the returned loss stays
     the main language-model loss, and ``last_losses`` keeps the step's per-micro-batch
@@ -62,7 +69,8 @@ class StepRunner:
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
         self.cp = groups.size("cp")
         self.last_losses: list[dict[str, Tensor]] = []
-        self._forward_step = gpt_forward_step(groups.cp, device)
+        self.packing = built.packing
+        self._forward_step = gpt_forward_step(groups.cp, device, built.packing)
         self.pp = groups.size("pp")
         vpp = len(built.chunks) if len(built.chunks) > 1 else None
         self.schedule = get_forward_backward_func(self.pp, vpp)
@@ -107,9 +115,10 @@ class StepRunner:
         optimizer = self.built.optimizer
         if not forward_only:
             self._set_aux_loss_scale(len(batches))
+        items = self._with_loss_counts(batches)
         losses = self.schedule(
             forward_step=self._forward_step,
-            data_iterator=[iter(batches) for _ in chunks],
+            data_iterator=[iter(items) for _ in chunks],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(batches),
             communicator=self.communicator,
@@ -124,6 +133,19 @@ class StepRunner:
             torch.distributed.all_reduce(mean, group=self.groups.dp_cp)
             mean /= self.groups.size("dp_cp")
         return mean
+
+    def _with_loss_counts(self, batches: Sequence[Microbatch]) -> Sequence[tuple[Tensor, ...]]:
+        """With ``eod_mask_loss``: each micro-batch with its share of the global batch's
+        counted positions (see the class docstring); else the micro-batches as they are."""
+        if self.packing is None or not self.packing.eod_mask_loss:
+            return batches
+        eod = self.packing.eod_id
+        count = torch.stack([loss_mask(tokens, eod).sum() for tokens, _ in batches]).sum()
+        count = count.to(self.device, torch.float64)
+        if self.groups.size("dp") > 1:
+            torch.distributed.all_reduce(count, group=self.groups.dp)
+        share = count / (len(batches) * self.groups.size("dp"))
+        return [(tokens, labels, share) for tokens, labels in batches]
 
     def train_step(self, batches: Sequence[Microbatch], lr: float) -> tuple[Tensor, StepResult]:
         """Forward, backward and optimizer step; returns the mean loss (a device tensor)."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from mega_models import GPTConfig
 from mega_pretrain.config import TrainerConfig
 from mega_pretrain.data import check_vocab
+from mega_pretrain.data.packing import check_packing
 from mega_pretrain.plan import Plan, plan_for
 from mega_pretrain.runtime import resolve_precision
 
@@ -53,6 +54,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
                 f"divisible by tp ({p.tp}); change train.seq_len"
             )
     plan.spec.check_layout(model, plan.layout_request)  # the family's own checks
+    check_packing(config, model, plan.spec.name)  # data.reset_* / eod_mask_loss
     precision = resolve_precision(t.precision)
     if t.fp8 and precision != "bf16":
         raise ValueError(
