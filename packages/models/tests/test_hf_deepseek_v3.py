@@ -180,9 +180,9 @@ def _chain(config: GPTConfig) -> int:
     head projections, attention over the sequence, the widest FFN and the k-way combine,
     then the final norm and the head (and, for the MTP loss, one layer and eh_proj more)."""
     c, h = config, config.hidden_size
-    assert c.q_lora_rank and c.kv_lora_rank
+    assert c.kv_lora_rank
     ffn = max(c.ffn_size, c.moe_ffn_size + c.moe_shared_expert_size)
-    per_layer = 4 * h + c.q_lora_rank + c.kv_lora_rank + SEQ + ffn + c.moe_top_k
+    per_layer = 4 * h + (c.q_lora_rank or 0) + c.kv_lora_rank + SEQ + ffn + c.moe_top_k
     return (c.num_layers + 1) * per_layer + 3 * h + c.vocab_size
 
 
@@ -258,14 +258,35 @@ def test_deepseek_v3_yarn_matches_transformers(
     config = gpt_config_from_hf(hf_dir)
     assert (config.rope_scaling_factor, config.rope_original_max_position) == (4.0, 16)
     assert (config.rope_mscale, config.rope_mscale_all_dim) == (1.0, 1.0)
-    out = tmp_path / "export"
-    dist_pool.run(_import_export, 1, args=(str(hf_dir), str(out), (1, 1, 1), deepseek_yarn))
+    _round_trip(dist_pool, deepseek_yarn, tmp_path)
+
+
+def test_deepseek_v3_plain_query_ungrouped_rotate_half_matches_transformers(
+    dist_pool: DistPool, tmp_path: Path
+) -> None:
+    """DeepSeek-V2-Lite-like pieces: a plain q_proj (no q_lora_rank), one expert group,
+    rope rows already in rotate-half order (rope_interleave false: copied as they are)."""
+    checkpoint = _checkpoint(tmp_path / "hf", q_lora_rank=None, n_group=1, topk_group=1,
+                             rope_interleave=False)  # fmt: skip
+    config = gpt_config_from_hf(checkpoint[0])
+    assert (config.q_lora_rank, config.moe_num_groups) == (None, None)
+    assert not hf_layout(checkpoint[0]).rope_interleave
+    assert "model.layers.0.self_attn.q_proj.weight" in read_all(checkpoint[0])
+    _round_trip(dist_pool, checkpoint, tmp_path)
+
+
+def _round_trip(dist_pool: DistPool, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """Logits and MTP loss at tp 1; the export has the same tensors and config.json."""
+    hf_dir, out = checkpoint[0], tmp_path / "export"
+    dist_pool.run(_import_export, 1, args=(str(hf_dir), str(out), (1, 1, 1), checkpoint))
+    original, exported = read_all(hf_dir), read_all(out)
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
     written = json.loads((out / "config.json").read_text())
-    assert (
-        written["rope_parameters"]
-        == json.loads((hf_dir / "config.json").read_text())["rope_parameters"]
-    )
-    assert gpt_config_from_hf(out) == config
+    source = json.loads((hf_dir / "config.json").read_text())
+    assert {k: written.get(k) for k in source} == source
+    assert gpt_config_from_hf(out) == gpt_config_from_hf(hf_dir)
 
 
 def test_deepseek_v3_config_both_ways(deepseek: Checkpoint) -> None:

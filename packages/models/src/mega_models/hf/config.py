@@ -426,7 +426,7 @@ def hf_config_from_gpt(
     if architecture in MOE_ARCHITECTURES:
         out.update(hf_moe_keys(config, architecture, out))
     if architecture == DEEPSEEK_V3:
-        out.update(hf_deepseek_keys(config))
+        out.update(hf_deepseek_keys(config, out))
     if base is not None:
         _keep_base_spelling(out, base, config.num_layers)
     return out

@@ -188,8 +188,11 @@ def check_deepseek_export(config: GPTConfig) -> None:
             )
 
 
-def hf_deepseek_keys(config: GPTConfig) -> dict[str, Any]:
-    """The config.json keys of ``config``'s attention, experts and MTP as DeepSeek-V3."""
+def hf_deepseek_keys(config: GPTConfig, base: Mapping[str, Any]) -> dict[str, Any]:
+    """The config.json keys of ``config``'s attention, experts and MTP as DeepSeek-V3.
+
+    ``base`` is the config being written: its ``rope_interleave`` (how the rope rows are
+    stored; default true, as DeepSeek ships them) is kept, and the tensors written so."""
     c = config
     assert c.kv_lora_rank and c.qk_nope_head_dim and c.qk_rope_head_dim and c.v_head_dim
     out: dict[str, Any] = {
@@ -201,7 +204,7 @@ def hf_deepseek_keys(config: GPTConfig) -> dict[str, Any]:
         "qk_head_dim": c.qk_nope_head_dim + c.qk_rope_head_dim,
         "head_dim": c.qk_rope_head_dim,  # transformers' rope width
         "num_key_value_heads": c.num_attention_heads,
-        "rope_interleave": True,
+        "rope_interleave": bool(base.get("rope_interleave", True)),
         "attention_bias": False,
         "n_routed_experts": c.num_experts,
         "num_experts_per_tok": c.moe_top_k,
