@@ -71,7 +71,8 @@ MODEL_SIZES: dict[str, GPTConfig] = {
     # GPU DeepSeek-V3 shape at ~3.6B (one H200, bf16 + AdamW): deepseek-3b's MoE (dense
     # first layer, 64 experts top-6 in the best 4 of 8 groups, sigmoid, expert bias) with
     # V3's MLA (q latent 768, kv latent 512, qk 128 + 64 rope, value 128), one shared
-    # expert of the routed width and one MTP module.
+    # expert of the routed width and one MTP module; a group scores its best 2 experts, as
+    # V3's router does (so it exports as DeepseekV3ForCausalLM).
     "deepseek-v3-3b": GPTConfig(
         vocab_size=32000, hidden_size=2048, num_layers=12, num_attention_heads=16,
         ffn_hidden_size=5632, max_seq_len=4096, norm_eps=1e-6, attention="mla",
@@ -79,7 +80,8 @@ MODEL_SIZES: dict[str, GPTConfig] = {
         v_head_dim=128, num_experts=64, moe_top_k=6, moe_ffn_hidden_size=704,
         moe_layer_pattern="-" + "E" * 11, moe_shared_expert_size=704,
         moe_score_function="sigmoid", moe_normalize_topk=True, moe_num_groups=8,
-        moe_group_topk=4, moe_expert_bias=True, moe_seq_aux_loss_coeff=1e-4, mtp_num_layers=1,
+        moe_group_topk=4, moe_group_score_topk=2, moe_expert_bias=True,
+        moe_seq_aux_loss_coeff=1e-4, mtp_num_layers=1,
     ),
     # CPU Qwen3-style dense: GQA, per-head RMSNorm on q and k (qk_norm), tied embeddings,
     # rope_theta 1e6, norm eps 1e-6 (converts to and from Qwen3ForCausalLM).

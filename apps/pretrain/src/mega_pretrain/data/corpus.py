@@ -11,6 +11,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+import uuid
 from pathlib import Path
 
 from mega_pretrain.data.errors import DataError
@@ -113,5 +114,10 @@ def ensure_default_dataset(
         return prefix
     except DataError:
         pass
-    preprocess(files, prefix, ByteTokenizer(), progress=progress)
+    # preprocess keeps resumable shards beside its output prefix, which concurrent callers
+    # must not share: each writes under a private prefix, then renames the pair into place
+    private = prefix.with_name(f"{prefix.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    preprocess(files, private, ByteTokenizer(), progress=progress)
+    for suffix in (".bin", ".idx"):  # .bin first: an .idx never names a missing .bin
+        os.replace(private.with_name(private.name + suffix), prefix.with_name(prefix.name + suffix))
     return prefix
