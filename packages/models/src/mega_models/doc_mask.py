@@ -154,8 +154,7 @@ def _block_mask(q_ids: Tensor, k_ids: Tensor, q_pos: Tensor, k_pos: Tensor) -> A
 
 @functools.cache
 def _flex() -> Callable[..., Tensor]:
-    """FlexAttention, compiled once (eager FlexAttention materialises the scores); on CPU
-    it stays eager (the reference implementation)."""
+    """FlexAttention, compiled once (eager FlexAttention materialises the scores)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled: Callable[..., Tensor] = torch.compile(flex_attention, dynamic=False)
@@ -170,10 +169,11 @@ def document_attention(
     FlexAttention and cut back)."""
     gqa = q.shape[1] != k.shape[1]
     if mask.block_mask is not None:
-        if q.is_cuda:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex: Callable[..., Tensor] = flex_attention  # eager on CPU: the reference
+        if q.is_cuda and not torch.compiler.is_compiling():  # a compiled layer compiles it
             flex = _flex()
-        else:
-            from torch.nn.attention.flex_attention import flex_attention as flex
         dv = v.shape[-1]
         v = F.pad(v, (0, q.shape[-1] - dv)) if dv < q.shape[-1] else v
         out = flex(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
