@@ -72,11 +72,11 @@ def _reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
 
 
 def _parallel(
-    sharding: str, tp: int, each_micro: bool
+    sharding: str, tp: int, each_micro: bool, recompute: str
 ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     groups = init_process_groups(ParallelConfig(tp=tp))
     dev = rank_device()
-    net = GPTModel(CONFIG, groups, seed=SEED, device=dev)
+    net = GPTModel(CONFIG, groups, seed=SEED, device=dev, recompute=recompute)  # type: ignore[arg-type]
     ddp = DistributedDataParallel(
         net,
         dp_group=groups.dp,
@@ -114,27 +114,33 @@ def _parallel(
 
 
 CASES = [
-    ("gradients", 1, 2, False),
-    ("gradients", 1, 4, False),
-    ("parameters", 1, 2, False),
-    ("parameters", 1, 2, True),  # every micro-batch reduce-scatters into the shard
-    ("parameters", 1, 4, False),
-    ("parameters", 2, 2, False),  # shards of tp shards
+    ("gradients", 1, 2, False, "none"),
+    ("gradients", 1, 4, False, "none"),
+    ("parameters", 1, 2, False, "none"),
+    ("parameters", 1, 2, True, "none"),  # every micro-batch reduce-scatters into the shard
+    ("parameters", 1, 4, False, "none"),
+    ("parameters", 2, 2, False, "none"),  # shards of tp shards
+    ("parameters", 1, 2, False, "full"),  # a recomputed layer gathers again in backward
 ]
 
 
 @pytest.mark.parametrize(
-    ("sharding", "tp", "dp", "each_micro"),
+    ("sharding", "tp", "dp", "each_micro", "recompute"),
     CASES,
-    ids=[f"{s}-tp{t}-dp{d}{'-each-micro' if e else ''}" for s, t, d, e in CASES],
+    ids=[
+        f"{s}-tp{t}-dp{d}{'-each-micro' if e else ''}{'' if r == 'none' else '-recompute'}"
+        for s, t, d, e, r in CASES
+    ],
 )
 def test_gpt_zero_stage_matches_single_process(
-    dist_pool: DistPool, sharding: str, tp: int, dp: int, each_micro: bool
+    dist_pool: DistPool, sharding: str, tp: int, dp: int, each_micro: bool, recompute: str
 ) -> None:
     ref_losses, ref_norms, ref_state = dist_pool.run(_reference, 1)[0]
     forward = forward_reduction_length(CONFIG, seq=SEQ)
     grad = model_reduction_length(CONFIG, seq=SEQ, tokens=GLOBAL * SEQ)
-    for losses, norms, state in dist_pool.run(_parallel, tp * dp, args=(sharding, tp, each_micro)):
+    for losses, norms, state in dist_pool.run(
+        _parallel, tp * dp, args=(sharding, tp, each_micro, recompute)
+    ):
         assert_close_to_reference(
             torch.tensor(losses), torch.tensor(ref_losses), reduction_length=forward, name="losses"
         )

@@ -41,6 +41,8 @@ def _trace(prefetch: int) -> list[tuple[str, int]]:
             log.append(("backward", -1))
             loss.backward()
         opt.step()
+    with torch.no_grad():  # evaluation: no backward will come, nothing stays gathered
+        ddp(x)
     assert not any(b.gathered for buf in ddp.param_and_grad_buffers for b in buf.buckets)  # type: ignore[union-attr]
     return log
 

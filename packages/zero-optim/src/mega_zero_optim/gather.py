@@ -15,6 +15,12 @@ backward once every member's gradient has arrived. Prefetch: gathering bucket ``
 launches the next ``prefetch`` buckets' all-gathers in the order of use (forward: the
 units' registration order; backward: its reverse), so communication overlaps compute,
 and at most ``1 + prefetch`` unit buckets (plus the root's) are gathered at once.
+
+Activation recompute: a unit's forward run again inside backward (full-layer checkpointing)
+gathers its buckets again but does not hold them (checkpointing may stop it before its
+end); they are freed when their gradients arrive. The choice (reasoned, not timed):
+gathering again costs one more all-gather per unit and step, while keeping the forward's
+gathered parameters until backward would hold every unit at once and undo ZeRO-3's saving.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ def assign_units(
         for pid in ids:
             owner.setdefault(pid, i)
     return sets, owner
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward on this thread (a recomputed forward)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 class ParamGatherer:
@@ -120,9 +131,12 @@ class ParamGatherer:
     # forward -----------------------------------------------------------------------------
 
     def _acquire(self, u: int) -> None:
+        # a forward recomputed in backward holds nothing: activation checkpointing may stop
+        # it before its end (no forward hook then); its gradients free the buckets
+        holds = not _in_backward()
         buckets = self.sets[u]
         for b in buckets:
-            self._holders[id(b)] += 1
+            self._holders[id(b)] += holds
             self._start(b)
         if buckets:
             last = max(buckets, key=lambda b: self.position[id(b)])
@@ -133,10 +147,11 @@ class ParamGatherer:
                 b.expect_backward()
 
     def _release(self, u: int) -> None:
-        in_backward = torch._C._current_graph_task_id() != -1  # a recomputed forward
+        if _in_backward():  # a recomputed forward (see _acquire)
+            return
         for b in self.sets[u]:
             self._holders[id(b)] -= 1
-            if self._holders[id(b)] == 0 and id(b) not in self.root and not in_backward:
+            if self._holders[id(b)] == 0 and id(b) not in self.root:
                 self.free(b)
 
     def _pre_hook(self, u: int) -> Any:
