@@ -23,7 +23,12 @@ from mega_models.doc_mask import (
     document_positions,
     loss_mask,
 )
-from mega_parallel_grid.testing import DistPool, assert_close_to_reference, solo_groups
+from mega_parallel_grid.testing import (
+    DistPool,
+    assert_close_to_reference,
+    rank_device,
+    solo_groups,
+)
 
 EOD = 256
 SEQ = 32
@@ -88,7 +93,7 @@ def _per_document(
     net: GPTModel, tokens: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, int]:
     """Each document of each sample run alone: summed counted losses and their count."""
-    total, count = torch.zeros(()), 0
+    total, count = torch.zeros((), device=tokens.device), 0
     ids = document_ids(tokens, EOD)
     for b in range(tokens.shape[0]):
         for d in ids[b].unique().tolist():
@@ -112,8 +117,10 @@ def test_packed_equals_documents_alone(
 
 
 def _check_packed(config: GPTConfig, recompute: str) -> None:
-    tokens, labels = packed([[5, 9, 3, 7, 9], [20, 13], [40]])
-    net = GPTModel(config, solo_groups(), seed=11, recompute=recompute)  # type: ignore[arg-type]
+    """On a GPU (NCCL pools) this runs the FlexAttention path, compiled, with its backward."""
+    dev = rank_device()
+    tokens, labels = (t.to(dev) for t in packed([[5, 9, 3, 7, 9], [20, 13], [40]]))
+    net = GPTModel(config, solo_groups(), seed=11, recompute=recompute, device=dev)  # type: ignore[arg-type]
     net.train()
     keep = loss_mask(tokens, EOD)
     per_token = net(tokens, labels, documents=PACKING.documents(tokens))
