@@ -2,7 +2,15 @@
 
 import importlib.metadata
 
-from mega_pipeline.chunk import DataIterator, ForwardStep, LossFunc, LossOutput, StageChunk
+from mega_pipeline.chunk import (
+    DataIterator,
+    ForwardStep,
+    LossFunc,
+    LossOutput,
+    SplitBackward,
+    StageChunk,
+    WeightGradPass,
+)
 from mega_pipeline.losses import broadcast_losses
 from mega_pipeline.order import (
     Action,
@@ -20,9 +28,11 @@ from mega_pipeline.schedules import (
     forward_backward_1f1b,
     forward_backward_interleaved,
     forward_backward_no_pipelining,
+    forward_backward_zb_h1,
     get_forward_backward_func,
 )
 from mega_pipeline.stages import rank_layer_ranges, split_layers
+from mega_pipeline.zero_bubble import zb_h1_order, zbv_order, zbv_stage
 
 try:
     __version__ = importlib.metadata.version("mega-pipeline")
@@ -39,14 +49,17 @@ __all__ = [
     "LossOutput",
     "Message",
     "P2PCommunicator",
+    "SplitBackward",
     "StageChunk",
     "Step",
+    "WeightGradPass",
     "__version__",
     "broadcast_losses",
     "build_plan",
     "forward_backward_1f1b",
     "forward_backward_interleaved",
     "forward_backward_no_pipelining",
+    "forward_backward_zb_h1",
     "get_forward_backward_func",
     "interleaved_order",
     "interleaved_warmup",
@@ -58,4 +71,7 @@ __all__ = [
     "split_layers",
     "validate_order",
     "virtual_stage",
+    "zb_h1_order",
+    "zbv_order",
+    "zbv_stage",
 ]

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeAlias
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeAlias
 
 from torch import Tensor, nn
 
-__all__ = ["DataIterator", "ForwardStep", "LossFunc", "LossOutput", "StageChunk"]
+__all__ = [
+    "DataIterator",
+    "ForwardStep",
+    "LossFunc",
+    "LossOutput",
+    "SplitBackward",
+    "StageChunk",
+    "WeightGradPass",
+]
 
 #: What ``loss_func`` returns: the microbatch's scalar loss, optionally with values to log.
 LossOutput: TypeAlias = Tensor | tuple[Tensor, Mapping[str, Tensor]]
@@ -68,3 +77,17 @@ class StageChunk:
 
 #: ``forward_step(data_iterator, model_chunk) -> (output_tensor, loss_func)``.
 ForwardStep: TypeAlias = Callable[[DataIterator, StageChunk], tuple[Tensor, LossFunc]]
+
+
+class WeightGradPass(Protocol):
+    """The weight gradients one forward's backward left for later (e.g. a
+    ``mega_tp_layers.WeightGradStore``)."""
+
+    def run(self) -> None:
+        """Compute them and accumulate them into the parameters' gradients."""
+
+
+#: Entered around a forward whose backward is to be split: what it yields is the W pass.
+#: Zero-bubble schedules take one (``mega_tp_layers.defer_weight_grads``); layers that do
+#: not split leave nothing in it, so their B pass stays B+W fused.
+SplitBackward: TypeAlias = Callable[[], AbstractContextManager[WeightGradPass]]

@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mega_pipeline.chunk import DataIterator, ForwardStep, LossOutput, StageChunk
+from mega_pipeline.chunk import (
+    DataIterator,
+    ForwardStep,
+    LossOutput,
+    SplitBackward,
+    StageChunk,
+    WeightGradPass,
+)
 from mega_pipeline.memory import backward_from, deallocate_output
 from mega_pipeline.order import Action
 from mega_pipeline.p2p import P2PCommunicator
@@ -27,9 +34,11 @@ class Hooks:
     """Callbacks a data-parallel wrapper (or a loss scaler) hangs on the schedule."""
 
     grad_sync_func: Callable[[int], None] | None = None
-    """Called with a chunk's index right after that chunk's last backward on this rank."""
+    """Called with a chunk's index right after that chunk's last backward (and last W
+    pass, in a split schedule) on this rank."""
     no_sync_func: Callable[[int], AbstractContextManager[Any]] | None = None
-    """Context for every backward of a chunk except its last (gradient sync disabled)."""
+    """Context for every backward of a chunk except its last (gradient sync disabled);
+    in a split schedule for every B and W pass but the chunk's last B and last W."""
     grad_scale_func: Callable[[Tensor], Tensor] | None = None
     """Scales the loss before backward (fp16 loss scaling); returned losses are unscaled."""
 
@@ -60,6 +69,7 @@ class _State:
     output_grads: dict[Key, Tensor]
     input_grads: dict[Key, Tensor]
     losses: dict[int, dict[str, Tensor]]
+    weight_grads: dict[Key, WeightGradPass]
 
 
 class _Runner:
@@ -75,7 +85,9 @@ class _Runner:
         num_microbatches: int,
         forward_only: bool,
         hooks: Hooks,
+        split_backward: SplitBackward | None,
     ) -> None:
+        self.split_backward = split_backward
         self.forward_step = forward_step
         self.chunks = chunks
         self.data_iterators = data_iterators
@@ -86,7 +98,7 @@ class _Runner:
         self.forward_only = forward_only
         self.hooks = hooks
         self.num_stages = pp * len(chunks)
-        self.state = _State({}, {}, {}, {}, {})
+        self.state = _State({}, {}, {}, {}, {}, {})
 
     def _stage(self, chunk: int) -> int:
         return virtual_stage(self.pp, self.pp_rank, chunk)
@@ -145,7 +157,12 @@ class _Runner:
         )
         grad_mode = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with grad_mode:
-            result = self.forward_step(self.data_iterators[action.chunk], view)
+            if self.split_backward is None or self.forward_only:
+                result = self.forward_step(self.data_iterators[action.chunk], view)
+            else:  # the backward of what runs inside leaves its weight gradients for W
+                with self.split_backward() as weight_grads:
+                    result = self.forward_step(self.data_iterators[action.chunk], view)
+                s.weight_grads[key] = weight_grads
             if not (
                 isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Tensor)
             ):
@@ -191,17 +208,31 @@ class _Runner:
             s.input_grads[key] = (
                 input_grad if input_grad is not None else torch.zeros_like(input_tensor)
             )
-        if last_of_chunk and self.hooks.grad_sync_func is not None:
-            self.hooks.grad_sync_func(action.chunk)
+
+    def weight(self, action: Action, last_of_chunk: bool) -> None:
+        """The W pass: the weight gradients the microbatch's backward left behind."""
+        weight_grads = self.state.weight_grads.pop((action.microbatch, action.chunk))
+        no_sync = self.hooks.no_sync_func
+        context = no_sync(action.chunk) if no_sync is not None and not last_of_chunk else None
+        with context if context is not None else contextlib.nullcontext():
+            weight_grads.run()
+
+    def synced(self, chunk: int) -> None:
+        if self.hooks.grad_sync_func is not None:
+            self.hooks.grad_sync_func(chunk)
 
 
-def _last_backwards(steps: Sequence[Step]) -> set[int]:
-    """Indices of the steps holding each chunk's last backward."""
-    last: dict[int, int] = {}
+def _last_of_chunk(steps: Sequence[Step]) -> tuple[set[int], dict[int, int]]:
+    """Indices of the steps holding each chunk's last B and last W, and for each step that
+    ends a chunk's gradients (the later of the two) the chunk."""
+    last: dict[tuple[str, int], int] = {}
     for i, step in enumerate(steps):
-        if step.action is not None and step.action.kind == "B":
-            last[step.action.chunk] = i
-    return set(last.values())
+        if step.action is not None and step.action.kind in ("B", "W"):
+            last[(step.action.kind, step.action.chunk)] = i
+    ends: dict[int, int] = {}
+    for (_, chunk), i in last.items():
+        ends[chunk] = max(ends.get(chunk, i), i)
+    return set(last.values()), {i: chunk for chunk, i in ends.items()}
 
 
 def run_plan(
@@ -216,8 +247,20 @@ def run_plan(
     num_microbatches: int,
     forward_only: bool,
     hooks: Hooks,
+    split_backward: SplitBackward | None = None,
 ) -> list[dict[str, Tensor]]:
-    """Follow ``steps`` on this rank; return the per-microbatch losses on the last stage."""
+    """Follow ``steps`` on this rank; return the per-microbatch losses on the last stage.
+
+    A plan with W actions needs ``split_backward``: each forward runs inside it and each W
+    runs what it yielded.
+    """
+    has_w = any(step.action is not None and step.action.kind == "W" for step in steps)
+    if has_w != (split_backward is not None and not forward_only):
+        raise ValueError(
+            "a plan with W actions needs split_backward, and split_backward needs W actions "
+            f"(W actions: {has_w}, split_backward given: {split_backward is not None}); "
+            "drop the W actions for a fused backward"
+        )
     runner = _Runner(
         forward_step=forward_step,
         chunks=chunks,
@@ -228,8 +271,9 @@ def run_plan(
         num_microbatches=num_microbatches,
         forward_only=forward_only,
         hooks=hooks,
+        split_backward=split_backward,
     )
-    last = _last_backwards(steps)
+    last, ends = _last_of_chunk(steps)
     for i, step in enumerate(steps):
         runner.exchange(step)
         action = step.action
@@ -237,10 +281,14 @@ def run_plan(
             continue
         if action.kind == "F":
             runner.forward(action)
-        else:
+        elif action.kind == "B":
             runner.backward(action, last_of_chunk=i in last)
+        else:
+            runner.weight(action, last_of_chunk=i in last)
+        if i in ends:
+            runner.synced(ends[i])
     s = runner.state
-    assert not (s.inputs or s.outputs or s.output_grads or s.input_grads), (
+    assert not (s.inputs or s.outputs or s.output_grads or s.input_grads or s.weight_grads), (
         "plan left tensors behind"
     )
     return [s.losses[i] for i in sorted(s.losses)]

@@ -24,8 +24,9 @@ __all__ = [
 class Action(NamedTuple):
     """One step of a rank's schedule: a forward or backward pass of one microbatch."""
 
-    kind: Literal["F", "B"]
-    """``"F"`` for a forward pass, ``"B"`` for a backward pass."""
+    kind: Literal["F", "B", "W"]
+    """``"F"`` forward, ``"B"`` backward (input gradients; with no ``"W"`` in the order, weight
+    gradients too), ``"W"`` the deferred weight-gradient pass of a split backward."""
     microbatch: int
     """Index of the microbatch, 0-based."""
     chunk: int
@@ -126,7 +127,12 @@ def interleaved_order(
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most (microbatch, chunk) pairs whose forward has run and backward has not, at once."""
+    """Most (microbatch, chunk) pairs whose forward has run and backward has not, at once.
+
+    In an order with W passes a pair stays in flight until its W (whose saved inputs are
+    activations too).
+    """
+    release = "W" if any(a.kind == "W" for a in actions) else "B"
     live: set[tuple[int, int]] = set()
     peak = 0
     for action in actions:
@@ -134,7 +140,7 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
         if action.kind == "F":
             live.add(key)
             peak = max(peak, len(live))
-        else:
+        elif action.kind == release:
             live.discard(key)
     return peak
 
@@ -144,10 +150,12 @@ def validate_order(
 ) -> None:
     """Check that ``actions`` runs each (microbatch, chunk) forward once, then backward once.
 
-    For schedules written by hand; raises ValueError naming the first offending action.
+    An order with W passes runs each pair's W once, after its B. For schedules written by
+    hand; raises ValueError naming the first offending action.
     """
     done_f: set[tuple[int, int]] = set()
     done_b: set[tuple[int, int]] = set()
+    done_w: set[tuple[int, int]] = set()
     for action in actions:
         key = (action.microbatch, action.chunk)
         if not (0 <= action.microbatch < num_microbatches and 0 <= action.chunk < num_chunks):
@@ -158,6 +166,10 @@ def validate_order(
             if key in done_f:
                 raise ValueError(f"{action} runs twice; each forward must run once")
             done_f.add(key)
+        elif action.kind == "W":
+            if key not in done_b or key in done_w:
+                raise ValueError(f"{action} runs before its backward or twice; fix the order")
+            done_w.add(key)
         else:
             if forward_only:
                 raise ValueError(f"{action} is a backward pass in a forward-only schedule")
@@ -165,6 +177,11 @@ def validate_order(
                 raise ValueError(f"{action} runs before its forward or twice; fix the order")
             done_b.add(key)
     expected = num_microbatches * num_chunks
+    if done_w and len(done_w) != expected:
+        raise ValueError(
+            f"the order runs {len(done_w)} weight-gradient passes, but {num_microbatches} "
+            f"microbatches x {num_chunks} chunks need {expected} (or none, for a fused backward)"
+        )
     if len(done_f) != expected or (not forward_only and len(done_b) != expected):
         raise ValueError(
             f"the order runs {len(done_f)} forwards and {len(done_b)} backwards, "

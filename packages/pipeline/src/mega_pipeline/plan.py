@@ -66,6 +66,8 @@ def _produces(
     action: Action, pp: int, vpp: int, pp_rank: int
 ) -> tuple[Message | None, Message | None]:
     s = virtual_stage(pp, pp_rank, action.chunk)
+    if action.kind == "W":  # weight gradients stay on the rank
+        return None, None
     if action.kind == "F":
         nxt = Message("activation", action.microbatch, s, s + 1) if s < pp * vpp - 1 else None
         return nxt, None
@@ -77,6 +79,8 @@ def _needs(
     action: Action, pp: int, vpp: int, pp_rank: int
 ) -> tuple[Message | None, Message | None]:
     s = virtual_stage(pp, pp_rank, action.chunk)
+    if action.kind == "W":
+        return None, None
     if action.kind == "F":
         prev = Message("activation", action.microbatch, s - 1, s) if s > 0 else None
         return prev, None
@@ -95,14 +99,25 @@ def build_plan(
     exchange sends what the last slot produced. The second action of a pair gets an empty
     exchange. Exchanging after every single action is right for 1F1B but deadlocks the
     interleaved steady state, whose pairs wait on each other around the ring.
+
+    W passes (which send and receive nothing) join the slot of the action after them and
+    run right after its exchange: a B's gradient then travels in the same batch as the
+    next forward's input, as in 1F1B, instead of waiting in a batch of its own until the
+    previous stage posts its receive.
     """
     slots: list[list[Action]] = []
+    waiting: list[Action] = []  # W passes for the next slot
     for i, action in enumerate(actions):
         pairs = pair_from is not None and i - 1 >= pair_from
-        if pairs and action.kind == "B" and slots and [a.kind for a in slots[-1]] == ["F"]:
+        if action.kind == "W":
+            waiting.append(action)
+        elif pairs and action.kind == "B" and slots and [a.kind for a in slots[-1]] == ["F"]:
             slots[-1].append(action)
         else:
-            slots.append([action])
+            slots.append([*waiting, action])
+            waiting = []
+    if waiting:
+        slots.append(waiting)
     steps: list[Step] = []
     sends: tuple[Message | None, Message | None] = (None, None)
     for slot in [*slots, []]:
@@ -167,6 +182,7 @@ def simulate_plans(
     variable_shapes: bool = False,
     forward_time: float = 1.0,
     backward_time: float = 2.0,
+    weight_time: float = 1.0,
 ) -> float:
     """Replay every rank's plan together; return the time they take, or raise ValueError.
 
@@ -179,7 +195,8 @@ def simulate_plans(
     :class:`~mega_pipeline.P2PCommunicator` runs them in that mode.
 
     Time: each forward of one chunk costs ``forward_time``, each backward
-    ``backward_time``, communication is free; the result is when the last rank finishes.
+    ``backward_time`` and each W pass of a split backward ``weight_time``; communication
+    is free; the result is when the last rank finishes.
     """
     if variable_shapes:
         plans = [_with_shapes(plan) for plan in plans]
@@ -231,7 +248,8 @@ def simulate_plans(
                 finish = max([clock[rank]] + [done[ch][seq] for _, ch, seq in entries])
                 action = plans[rank][position[rank]].action
                 if action is not None:
-                    finish += forward_time if action.kind == "F" else backward_time
+                    cost = {"F": forward_time, "B": backward_time, "W": weight_time}
+                    finish += cost[action.kind]
                 clock[rank] = finish
                 position[rank] += 1
                 progressed = True

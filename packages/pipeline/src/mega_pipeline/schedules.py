@@ -14,7 +14,7 @@ from typing import Any, Protocol, cast
 
 from torch import Tensor, nn
 
-from mega_pipeline.chunk import DataIterator, ForwardStep
+from mega_pipeline.chunk import DataIterator, ForwardStep, SplitBackward
 from mega_pipeline.executor import Hooks, run_plan
 from mega_pipeline.order import (
     interleaved_order,
@@ -24,12 +24,14 @@ from mega_pipeline.order import (
 )
 from mega_pipeline.p2p import P2PCommunicator
 from mega_pipeline.plan import build_plan
+from mega_pipeline.zero_bubble import zb_h1_order
 
 __all__ = [
     "ForwardBackwardFunc",
     "forward_backward_1f1b",
     "forward_backward_interleaved",
     "forward_backward_no_pipelining",
+    "forward_backward_zb_h1",
     "get_forward_backward_func",
 ]
 
@@ -204,6 +206,56 @@ def forward_backward_interleaved(
         num_microbatches=num_microbatches,
         forward_only=forward_only,
         hooks=Hooks(grad_sync_func, no_sync_func, grad_scale_func),
+    )
+
+
+def forward_backward_zb_h1(
+    *,
+    forward_step: ForwardStep,
+    data_iterator: DataIterator | Sequence[DataIterator],
+    model: nn.Module | Sequence[nn.Module],
+    num_microbatches: int,
+    communicator: P2PCommunicator | None = None,
+    forward_only: bool = False,
+    grad_sync_func: Callable[[int], None] | None = None,
+    no_sync_func: Callable[[int], AbstractContextManager[Any]] | None = None,
+    grad_scale_func: Callable[[Tensor], Tensor] | None = None,
+    split_backward: SplitBackward | None = None,
+) -> list[dict[str, Tensor]]:
+    """ZB-H1 (:func:`~mega_pipeline.zb_h1_order`): 1F1B whose backward is split into B and W.
+
+    ``split_backward`` (e.g. ``mega_tp_layers.defer_weight_grads``) is entered around every
+    forward; each W action runs what it yielded, the weight gradients of the layers that
+    split their backward (the others' came in B). Without it the backward stays fused and
+    the order is 1F1B's. At most ``pp`` microbatches are in flight per rank; with equal F,
+    B and W times the bubble is ``pp - 1`` of them against 1F1B's ``3 (pp - 1)``.
+    Hooks as in :func:`forward_backward_no_pipelining`; ``grad_sync_func`` fires after
+    the chunk's last W.
+    """
+    chunks = _chunks(model)
+    if len(chunks) != 1:
+        raise ValueError(
+            f"forward_backward_zb_h1 runs one chunk per rank, but the model has {len(chunks)}; "
+            "pass this rank's single chunk"
+        )
+    pp, rank = _pp(communicator)
+    split = split_backward if not forward_only else None
+    if split is None:
+        actions = one_f_one_b_order(pp, rank, num_microbatches, forward_only)
+    else:
+        actions = zb_h1_order(pp, rank, num_microbatches)
+    return run_plan(
+        build_plan(actions, pp, 1, rank),
+        forward_step=forward_step,
+        chunks=chunks,
+        data_iterators=_iterators(data_iterator, 1),
+        communicator=communicator,
+        pp=pp,
+        pp_rank=rank,
+        num_microbatches=num_microbatches,
+        forward_only=forward_only,
+        hooks=Hooks(grad_sync_func, no_sync_func, grad_scale_func),
+        split_backward=split,
     )
 
 
