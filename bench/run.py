@@ -92,6 +92,21 @@ SUITES: dict[str, Suite] = {
             for size, mb in (("deepseek-v3-3b", 4), ("qwen3-1.7b", 4), ("nemotron-h-1b", 4))
         ],
     ],
+    # this session's GPU-only paths: causality, the CUDA-only tests, document masking, the trainer
+    "gpu-paths": [
+        ("causality", 200, "python3 bench/causality_check.py --sizes 1b-bench,deepseek-v3-3b,nemotron-h-1b"),
+        ("cuda tests", 300, "python3 -m pytest -q -p mega_parallel_grid.testing.pytest_plugin "
+                            "packages/models/tests/test_mla.py::test_latent_sdpa_padded_on_cuda_matches_fp32 "
+                            "apps/pretrain/tests/test_async_checkpoint.py::test_staging_from_the_gpu_into_pinned_buffers "
+                            "packages/models/tests/test_doc_mask.py"),
+        ("doc attention", 200, "python3 bench/doc_attention.py"),
+        *[
+            (f"trainer {size}", 240,
+             f"{_TRAIN} --model.size {size} --train.micro_batch_size {mb} "
+             f"--train.global_batch_size {mb} --run.name t-{size}")
+            for size, mb in (("deepseek-v3-3b", 4), ("nemotron-h-1b", 4))
+        ],
+    ],
     # the step stall of a checkpoint save of the 1b model, sync vs async (checkpoint.async_save)
     "ckpt-stall": [
         (f"1b save {mode}", 240,
