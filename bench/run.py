@@ -95,7 +95,7 @@ SUITES: dict[str, Suite] = {
     # this session's GPU-only paths: causality, the CUDA-only tests, document masking, the trainer
     "gpu-paths": [
         ("causality", 200, "python3 bench/causality_check.py --sizes 1b-bench,deepseek-v3-3b,nemotron-h-1b"),
-        ("cuda tests", 300, "python3 -m pytest -q -p mega_parallel_grid.testing.pytest_plugin "
+        ("cuda tests", 300, "python3 -m pytest -q "
                             "packages/models/tests/test_mla.py::test_latent_sdpa_padded_on_cuda_matches_fp32 "
                             "apps/pretrain/tests/test_async_checkpoint.py::test_staging_from_the_gpu_into_pinned_buffers "
                             "packages/models/tests/test_doc_mask.py"),
