@@ -48,6 +48,8 @@ class Built:
     rng: RNGStatesTracker
     expert_ddp: DistributedDataParallel | None = None
     packing: DocumentPacking | None = None
+    pp_schedule: str = "1f1b"
+    """``parallel.pp_schedule`` resolved (``1f1b``, ``interleaved`` or ``zb-h1``)."""
 
     @property
     def ddps(self) -> list[DistributedDataParallel]:
@@ -143,7 +145,10 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         loss_scaler=DynamicLossScaler() if t.precision == "fp16" else None,
         overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
     )  # fmt: skip
-    return Built(chunks, ddp, optimizer, rng, expert_ddp, packing_for(config))
+    return Built(
+        chunks, ddp, optimizer, rng, expert_ddp, packing_for(config),
+        config.parallel.resolved_pp_schedule(),
+    )  # fmt: skip
 
 
 def _group_settings(train: TrainConfig, index: int) -> dict[str, Any]:

@@ -47,6 +47,11 @@ class ParallelSection:
     """Expert tensor-parallel size (default: tp)."""
     vpp: int | None = None
     """Virtual pipeline chunks per pp rank (interleaved 1F1B)."""
+    pp_schedule: Literal["auto", "1f1b", "interleaved", "zb-h1", "zbv"] = "auto"
+    """Pipeline schedule: ``auto`` (interleaved with vpp > 1, else 1F1B), ``1f1b``,
+    ``interleaved`` (needs vpp > 1), ``zb-h1`` (1F1B with the linears' weight gradients
+    deferred into the cool-down; vpp unset) or ``zbv`` (two chunks in a V; order only,
+    not runnable yet)."""
     pp_layers: tuple[int, ...] = ()
     """Layers per virtual stage, in pipeline order (``pp * vpp`` counts adding up to the
     layers), e.g. ``13,11`` to give the last stage, which also holds the output layer and
@@ -66,6 +71,27 @@ class ParallelSection:
     """All-gather updated parameters during the next forward (distributed optimizer)."""
     bucket_size: int = 40_000_000
     """Gradient bucket size in elements."""
+
+    def resolved_pp_schedule(self) -> str:
+        """``pp_schedule`` with ``auto`` resolved; ValueError for a choice the layout cannot run."""
+        chunks, choice = self.vpp or 1, self.pp_schedule
+        if choice == "auto":
+            return "interleaved" if chunks > 1 else "1f1b"
+        if choice == "zbv":
+            raise ValueError(
+                "parallel.pp_schedule 'zbv' has a pure order (mega_pipeline.zbv_order) but no "
+                "executor yet; use 'zb-h1', or 'interleaved' with vpp 2"
+            )
+        if (choice == "interleaved") != (chunks > 1):
+            raise ValueError(
+                f"parallel.pp_schedule {choice!r} with vpp {self.vpp}: 'interleaved' needs "
+                "vpp > 1 and '1f1b'/'zb-h1' run one chunk per rank; set vpp to match"
+            )
+        if self.pp == 1 and choice != "1f1b":
+            raise ValueError(
+                f"parallel.pp_schedule {choice!r} needs pp > 1; set --pp or use '1f1b'/'auto'"
+            )
+        return choice
 
     def parallel_config(self) -> ParallelConfig:
         """The degrees as mega-parallel-grid's ParallelConfig (validated there)."""

@@ -84,6 +84,8 @@ class Plan:
         p = self.parallel
         if p.pp == 1:
             return "no pipelining"
+        if self.config.parallel.pp_schedule == "zb-h1":
+            return "ZB-H1 (1F1B, weight gradients deferred)"
         return f"interleaved 1F1B (vpp {p.vpp})" if p.vpp and p.vpp > 1 else "1F1B"
 
     @property
@@ -92,11 +94,15 @@ class Plan:
 
         1F1B: ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-batches; the
         interleaved schedule shrinks the bubble ``vpp`` times: ``(p - 1) / (vpp * m + p - 1)``
-        (the ``(p - 1) / (vpp * m)`` of bubble to work, as a share of the step). 0 without
-        a pipeline; needs a concrete micro-batch.
+        (the ``(p - 1) / (vpp * m)`` of bubble to work, as a share of the step). ZB-H1:
+        ``(p - 1) / (3m + p - 1)`` with equal F, B and W times (the order's figure; today's
+        blocking stage-to-stage exchanges keep it near 1F1B's). 0 without a pipeline; needs
+        a concrete micro-batch.
         """
         p, m = self.parallel.pp, self.microbatches
         chunks = self.parallel.vpp or 1
+        if self.config.parallel.pp_schedule == "zb-h1":  # F = B = W: p - 1 idle units of 3m + p - 1
+            return (p - 1) / (3 * m + p - 1)
         return (p - 1) / (chunks * m + p - 1)
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -15,9 +16,11 @@ from mega_parallel_grid import ProcessGroups
 from mega_pipeline import (
     P2PCommunicator,
     broadcast_losses,
+    forward_backward_zb_h1,
     get_forward_backward_func,
 )
 from mega_pretrain.build import Built
+from mega_tp_layers import defer_weight_grads
 from mega_zero_optim import StepResult
 
 __all__ = ["Microbatch", "StepRunner"]
@@ -74,6 +77,8 @@ class StepRunner:
         self.pp = groups.size("pp")
         vpp = len(built.chunks) if len(built.chunks) > 1 else None
         self.schedule = get_forward_backward_func(self.pp, vpp)
+        if built.pp_schedule == "zb-h1" and self.pp > 1:  # the linears' W passes deferred
+            self.schedule = partial(forward_backward_zb_h1, split_backward=defer_weight_grads)
         local = seq_len // self.cp
         if sequence_parallel:
             local //= groups.size("tp")

@@ -31,6 +31,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             f"{t.micro_batch_size * dp}"
         )
     microbatches = plan.microbatches
+    p.resolved_pp_schedule()  # the schedule fits the layout (vpp, pp)
     if p.vpp and microbatches % p.pp:
         raise ValueError(
             f"the interleaved schedule needs micro-batches per step ({microbatches}) to be a "
