@@ -95,8 +95,8 @@ class Plan:
         1F1B: ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-batches; the
         interleaved schedule shrinks the bubble ``vpp`` times: ``(p - 1) / (vpp * m + p - 1)``
         (the ``(p - 1) / (vpp * m)`` of bubble to work, as a share of the step). ZB-H1:
-        ``(p - 1) / (3m + p - 1)`` with equal F, B and W times (the order's figure; today's
-        blocking stage-to-stage exchanges keep it near 1F1B's). 0 without a pipeline; needs
+        ``(p - 1) / (3m + p - 1)`` with equal F, B and W times (the order's figure, unmeasured
+        on GPUs). 0 without a pipeline; needs
         a concrete micro-batch.
         """
         p, m = self.parallel.pp, self.microbatches

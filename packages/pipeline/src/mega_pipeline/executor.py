@@ -99,6 +99,7 @@ class _Runner:
         self.hooks = hooks
         self.num_stages = pp * len(chunks)
         self.state = _State({}, {}, {}, {}, {}, {})
+        self.pending: tuple[Any, ...] | None = None  # an exchange posted before W passes
 
     def _stage(self, chunk: int) -> int:
         return virtual_stage(self.pp, self.pp_rank, chunk)
@@ -112,16 +113,32 @@ class _Runner:
         return message.microbatch, message.dst_stage // self.pp
 
     def exchange(self, step: Step) -> None:
-        ex = step.exchange
-        if ex.is_empty():
+        """Run the step's exchange; before a W pass only post it (:meth:`finish_exchange`
+        completes it before the next pass that is not a W), so the W runs meanwhile."""
+        if step.exchange.is_empty():
             return
+        self.finish_exchange()
+        pending = self._start(step)
+        if step.action is not None and step.action.kind == "W":
+            self.pending = pending
+        else:
+            self._finish(pending)
+
+    def finish_exchange(self) -> None:
+        """Complete the exchange posted before the W passes, if any."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._finish(pending)
+
+    def _start(self, step: Step) -> tuple[Any, ...]:
+        ex = step.exchange
         assert self.comm is not None, "a plan with exchanges needs a communicator"
         s = self.state
         out_key = None if ex.send_next is None else self._sent(ex.send_next)
         grad_key = None if ex.send_prev is None else self._sent(ex.send_prev)
         in_key = None if ex.recv_prev is None else self._received(ex.recv_prev)
         back_key = None if ex.recv_next is None else self._received(ex.recv_next)
-        from_prev, from_next = self.comm.exchange(
+        posted = self.comm.start_exchange(
             send_next=None if out_key is None else s.outputs[out_key],
             send_prev=None if grad_key is None else s.input_grads.pop(grad_key),
             recv_prev=in_key is not None,
@@ -129,6 +146,12 @@ class _Runner:
             # a gradient has the shape of the activation it belongs to (kept when freed)
             recv_next_shape=None if back_key is None else s.outputs[back_key].shape,
         )
+        return posted, out_key, in_key, back_key
+
+    def _finish(self, pending: tuple[Any, ...]) -> None:
+        posted, out_key, in_key, back_key = pending
+        s = self.state
+        from_prev, from_next = posted.wait()
         if out_key is not None:
             if self.forward_only:
                 del s.outputs[out_key]
@@ -277,6 +300,8 @@ def run_plan(
     for i, step in enumerate(steps):
         runner.exchange(step)
         action = step.action
+        if action is None or action.kind != "W":
+            runner.finish_exchange()
         if action is None:
             continue
         if action.kind == "F":
@@ -287,6 +312,7 @@ def run_plan(
             runner.weight(action, last_of_chunk=i in last)
         if i in ends:
             runner.synced(ends[i])
+    runner.finish_exchange()
     s = runner.state
     assert not (s.inputs or s.outputs or s.output_grads or s.input_grads or s.weight_grads), (
         "plan left tensors behind"

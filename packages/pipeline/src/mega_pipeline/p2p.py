@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["MAX_DIMS", "P2PCommunicator", "group_device"]
+__all__ = ["MAX_DIMS", "P2PCommunicator", "PendingExchange", "group_device"]
 
 #: Most dimensions an activation may have in variable-shape mode.
 MAX_DIMS = 8
@@ -127,17 +128,29 @@ class P2PCommunicator:
         return tensor.detach().contiguous()
 
     def _batch(self, ops: list[dist.P2POp], what: str) -> None:
+        self._wait(self._post(ops, what), what)
+
+    def _post(self, ops: list[dist.P2POp], what: str) -> list[Any]:
         if not ops:
-            return
+            return []
         try:
-            for request in dist.batch_isend_irecv(ops):
+            return list(dist.batch_isend_irecv(ops))
+        except RuntimeError as exc:
+            raise self._failed(what, exc) from exc
+
+    def _wait(self, requests: list[Any], what: str) -> None:
+        try:
+            for request in requests:
                 request.wait()
         except RuntimeError as exc:
-            raise RuntimeError(
-                f"pp rank {self.rank}: {what} with pp ranks {(self.rank - 1) % self.size} and "
-                f"{(self.rank + 1) % self.size} failed ({exc}); a neighbouring stage has "
-                "probably failed or timed out, see its error"
-            ) from exc
+            raise self._failed(what, exc) from exc
+
+    def _failed(self, what: str, exc: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"pp rank {self.rank}: {what} with pp ranks {(self.rank - 1) % self.size} and "
+            f"{(self.rank + 1) % self.size} failed ({exc}); a neighbouring stage has "
+            "probably failed or timed out, see its error"
+        )
 
     def _op(self, send: bool, tensor: Tensor, peer: int) -> dist.P2POp:
         return dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, self.group)
@@ -175,6 +188,24 @@ class P2PCommunicator:
         the previous one. ``recv_next_shape`` is the shape of the expected gradient: the
         shape of the activation it belongs to (only needed with variable shapes).
         """
+        return self.start_exchange(
+            send_next=send_next, send_prev=send_prev, recv_prev=recv_prev,
+            recv_next=recv_next, recv_next_shape=recv_next_shape,
+        ).wait()  # fmt: skip
+
+    def start_exchange(
+        self,
+        *,
+        send_next: Tensor | None = None,
+        send_prev: Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        recv_next_shape: Sequence[int] | None = None,
+    ) -> PendingExchange:
+        """:meth:`exchange` posted without waiting: compute meanwhile, then ``.wait()``.
+
+        With variable shapes the shape messages still go first, waited for.
+        """
         if self.size == 1 and (
             send_next is not None or send_prev is not None or recv_prev or recv_next
         ):
@@ -208,8 +239,8 @@ class P2PCommunicator:
             assert next_shape is not None
             from_next = torch.empty(next_shape, dtype=self.dtype, device=self.device)
             ops.append(self._op(False, from_next, self.next_rank))
-        self._batch(ops, "the exchange")
-        return from_prev, from_next
+        requests = self._post(ops, "the exchange")
+        return PendingExchange(self, requests, from_prev, from_next)
 
     def send_forward(self, activation: Tensor) -> None:
         """Send an activation to the next stage."""
@@ -244,3 +275,23 @@ class P2PCommunicator:
         received, _ = self.exchange(send_prev=gradient, recv_prev=True)
         assert received is not None
         return received
+
+
+class PendingExchange:
+    """A posted :meth:`P2PCommunicator.start_exchange`; :meth:`wait` completes it."""
+
+    def __init__(
+        self,
+        comm: P2PCommunicator,
+        requests: list[Any],
+        from_prev: Tensor | None,
+        from_next: Tensor | None,
+    ) -> None:
+        self._comm, self._requests = comm, requests
+        self._received = (from_prev, from_next)
+
+    def wait(self) -> tuple[Tensor | None, Tensor | None]:
+        """Wait for every send and receive; return (activation from prev, gradient from next)."""
+        self._comm._wait(self._requests, "the exchange")
+        self._requests = []
+        return self._received

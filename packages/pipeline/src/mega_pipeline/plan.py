@@ -101,9 +101,9 @@ def build_plan(
     interleaved steady state, whose pairs wait on each other around the ring.
 
     W passes (which send and receive nothing) join the slot of the action after them and
-    run right after its exchange: a B's gradient then travels in the same batch as the
-    next forward's input, as in 1F1B, instead of waiting in a batch of its own until the
-    previous stage posts its receive.
+    carry its exchange: the executor posts it, runs the W passes while it is in flight and
+    waits for it before that action, so a B's gradient leaves at once and the next input
+    arrives behind the W passes.
     """
     slots: list[list[Action]] = []
     waiting: list[Action] = []  # W passes for the next slot
@@ -196,7 +196,9 @@ def simulate_plans(
 
     Time: each forward of one chunk costs ``forward_time``, each backward
     ``backward_time`` and each W pass of a split backward ``weight_time``; communication
-    is free; the result is when the last rank finishes.
+    is free; the result is when the last rank finishes. An exchange before W passes is
+    posted and left open while they run, completed before the next other pass, as the
+    executor runs it.
     """
     if variable_shapes:
         plans = [_with_shapes(plan) for plan in plans]
@@ -225,30 +227,46 @@ def simulate_plans(
     position = [0] * pp
     clock = [0.0] * pp  # when each rank posted its current exchange
     done: dict[tuple[int, int], list[float]] = {}  # channel -> match time of each message
+    # an exchange posted before W passes stays open while they run (the executor waits for
+    # it before the next pass that is not a W): its entries and when it was posted
+    open_entries: list[list[tuple[str, tuple[int, int], int]]] = [[] for _ in range(pp)]
+    opened_at = [0.0] * pp
+    cost = {"F": forward_time, "B": backward_time, "W": weight_time}
     progressed = True
     while progressed:
         progressed = False
-        posted: dict[tuple[str, tuple[int, int], int], int] = {}
+        posted: dict[tuple[str, tuple[int, int], int], tuple[int, float]] = {}
         for rank in range(pp):
+            for entry in open_entries[rank]:
+                posted[entry] = (rank, opened_at[rank])
             if position[rank] < len(plans[rank]):
                 for entry in index[rank][position[rank]]:
-                    posted[entry] = rank
-        for (direction, channel, seq), rank in posted.items():
+                    posted[entry] = (rank, clock[rank])
+        for (direction, channel, seq), (_, at) in posted.items():
             matched = done.setdefault(channel, [])
             peer = posted.get(("recv", channel, seq))
             if direction == "send" and peer is not None and len(matched) == seq:
                 earlier = matched[-1] if matched else 0.0
-                matched.append(max(clock[rank], clock[peer], earlier))
+                matched.append(max(at, peer[1], earlier))
                 progressed = True
         for rank in range(pp):
             if position[rank] >= len(plans[rank]):
                 continue
             entries = index[rank][position[rank]]
-            if all(seq < len(done.get(channel, [])) for _, channel, seq in entries):
-                finish = max([clock[rank]] + [done[ch][seq] for _, ch, seq in entries])
-                action = plans[rank][position[rank]].action
+            action = plans[rank][position[rank]].action
+            weight = action is not None and action.kind == "W"
+            if weight and entries and not open_entries[rank]:  # post, run the W meanwhile
+                open_entries[rank], opened_at[rank] = entries, clock[rank]
+                clock[rank] += weight_time
+                position[rank] += 1
+                progressed = True
+                continue
+            waits = entries if weight else entries + open_entries[rank]
+            if all(seq < len(done.get(channel, [])) for _, channel, seq in waits):
+                finish = max([clock[rank]] + [done[ch][seq] for _, ch, seq in waits])
+                if not weight:
+                    open_entries[rank] = []
                 if action is not None:
-                    cost = {"F": forward_time, "B": backward_time, "W": weight_time}
                     finish += cost[action.kind]
                 clock[rank] = finish
                 position[rank] += 1

@@ -17,9 +17,10 @@ weight gradients, which nothing waits for, so W passes can fill the bubbles of 1
   nothing more, at most ``2 pp`` chunks (``pp`` stages' worth) of activations per rank.
 
 Both are pure functions of ``(pp, pp_rank, m)``. The times above assume a pass starts as
-soon as its inputs exist; the executor's exchanges are blocking batches (a send waits for
-its receiver), under which :func:`~mega_pipeline.simulate_plans` gives ZB-H1 1F1B's time
-or less: the rest of the gain needs sends posted ahead asynchronously.
+soon as its inputs exist; the executor gets there for ZB-H1 by posting the exchange before
+W passes and waiting for it after them (:func:`~mega_pipeline.simulate_plans` replays its
+plans in exactly ``3m + pp - 1``; with variable shapes the blocking shape messages keep it
+nearer 1F1B's time).
 """
 
 from __future__ import annotations
