@@ -83,6 +83,17 @@ BAD = {
     "zb-h1 without pp": ({"pp": 1, "pp_schedule": "zb-h1"}, "'zb-h1' needs pp > 1"),
     "unknown": ({"pp": 2, "pp_schedule": "dualpipe"}, "must be one of"),
 }
+RECOMPUTE = "but train.recompute 'full' reruns that forward in backward"
+
+
+def test_zb_h1_refuses_full_recompute() -> None:
+    overrides = [("train.global_batch_size", "8"), ("train.micro_batch_size", "1")]
+    overrides += [("parallel.pp", "2"), ("parallel.pp_schedule", "zb-h1")]
+    config = load_config(None, [*overrides, ("train.recompute", "full")])
+    with pytest.raises(ValueError, match=RECOMPUTE):
+        check_config(config, gpt_config(config), 2)
+    config = load_config(None, [*overrides, ("train.recompute", "selective")])
+    check_config(config, gpt_config(config), 2)
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=str)

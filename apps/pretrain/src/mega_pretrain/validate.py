@@ -31,7 +31,12 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             f"{t.micro_batch_size * dp}"
         )
     microbatches = plan.microbatches
-    p.resolved_pp_schedule()  # the schedule fits the layout (vpp, pp)
+    if p.resolved_pp_schedule() == "zb-h1" and t.recompute == "full":  # fits vpp and pp
+        raise ValueError(
+            "parallel.pp_schedule 'zb-h1' defers the weight gradients of the forward's linears, "
+            "but train.recompute 'full' reruns that forward in backward, where nothing defers; "
+            "use train.recompute 'selective' or 'none', or pp_schedule '1f1b'"
+        )
     if p.vpp and microbatches % p.pp:
         raise ValueError(
             f"the interleaved schedule needs micro-batches per step ({microbatches}) to be a "
