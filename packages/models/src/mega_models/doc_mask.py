@@ -152,6 +152,11 @@ def _block_mask(q_ids: Tensor, k_ids: Tensor, q_pos: Tensor, k_pos: Tensor) -> A
     return create_block_mask(mask_mod, b, None, sq, k_ids.shape[1], device=q_ids.device)
 
 
+#: FlexAttention's CUDA kernels need a head (query/key and value) dim of at least this;
+#: narrower heads (the tests' tiny models) take SDPA with the dense mask there.
+FLEX_MIN_HEAD_DIM = 16
+
+
 @functools.cache
 def _flex() -> Callable[..., Tensor]:
     """FlexAttention, compiled once (eager FlexAttention materialises the scores)."""
@@ -168,7 +173,8 @@ def document_attention(
     attention under ``mask`` (GQA: n_kv divides n; MLA: ``d_v < d``, padded to ``d`` for
     FlexAttention and cut back)."""
     gqa = q.shape[1] != k.shape[1]
-    if mask.block_mask is not None:
+    narrow = q.is_cuda and min(q.shape[-1], v.shape[-1]) < FLEX_MIN_HEAD_DIM
+    if mask.block_mask is not None and not narrow:
         from torch.nn.attention.flex_attention import flex_attention
 
         flex: Callable[..., Tensor] = flex_attention  # eager on CPU: the reference
