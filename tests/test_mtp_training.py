@@ -7,7 +7,7 @@ main losses, gradient norms (the MTP depth's and the shared embedding's gradient
 included) and full weights (``mtp.0.*`` among them). Under pp the depth runs on the last
 stage, which keeps a copy of the embedding whose gradient is summed with the first
 stage's; under cp the labels are shifted before the zig-zag split. The reduction lengths
-count the depth as one more layer (``_tolerance``). A checkpoint saved at tp2·pp2 (the
+count the depth as one more layer (``_tolerance``). A checkpoint saved at tp2·pp2 (GPT and MLA; the
 depth and the embedding copy on the last stage) loads bitwise at pp 1 and at pp2·vpp2, and
 the next step there equals the saved layout's to rounding. The trainer trains ``tiny`` with
 ``--model.mtp_num_layers 1`` from the command line, logs ``mtp_loss`` and its losses fall.
@@ -48,6 +48,13 @@ MTP: dict[str, object] = {"mtp_num_layers": 1}
 MOE_MTP: dict[str, object] = {
     "mtp_num_layers": 1, "num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 64,
     "moe_layer_freq": 2, "moe_layer_pattern": "-E-E-E-E",
+}  # fmt: skip
+
+#: DeepSeek-V3's pairing: multi-head latent attention under the MTP depth (each query head
+#: its own key and value, so num_query_groups = heads)
+MLA_MTP: dict[str, object] = {
+    "mtp_num_layers": 1, "attention": "mla", "num_query_groups": 8, "q_lora_rank": 32,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
 }  # fmt: skip
 
 CASES = [
@@ -98,8 +105,8 @@ Weights = dict[str, torch.Tensor]
 class _Run:
     """The trainer's model, optimizer and step runner at ``layout`` (MTP 1), on this rank."""
 
-    def __init__(self, layout: dict[str, object], seed: int) -> None:
-        config = load_config(None, [*_overrides(layout, MTP), ("train.seed", str(seed))])
+    def __init__(self, layout: dict[str, object], seed: int, model: dict[str, object]) -> None:
+        config = load_config(None, [*_overrides(layout, model), ("train.seed", str(seed))])
         self.groups = init_process_groups(parallel_config(config))
         self.built = build(config, self.groups, rank_device())
         self.micro = _micro(layout)
@@ -115,32 +122,37 @@ class _Run:
         return float(loss)
 
 
-def _save(run_dir: str) -> tuple[Weights, float]:
-    run = _Run({"tp": 2, "pp": 2}, seed=1234)
+def _save(run_dir: str, model: dict[str, object]) -> tuple[Weights, float]:
+    run = _Run({"tp": 2, "pp": 2}, seed=1234, model=model)
     run.step(0)
     save_checkpoint(Path(run_dir), 1, run.built, run.groups, {})
     saved = _full_weights(run.built.chunks)
     return saved, run.step(1)
 
 
-def _load(run_dir: str, layout: dict[str, object]) -> tuple[Weights, float]:
-    run = _Run(layout, seed=99)  # other initial weights: every one must come from the file
+def _load(
+    run_dir: str, layout: dict[str, object], model: dict[str, object]
+) -> tuple[Weights, float]:
+    run = _Run(layout, seed=99, model=model)  # other initial weights: all from the file
     path = latest_checkpoint(Path(run_dir))
     assert path is not None
     load_checkpoint(path, run.built, run.groups)
     return _full_weights(run.built.chunks), run.step(1)
 
 
-def test_mtp_checkpoint_reshards(dist_pool: DistPool, tmp_path: Path) -> None:
-    results = dist_pool.run(_save, 4, args=(str(tmp_path),))
+@pytest.mark.parametrize("model", [MTP, MLA_MTP], ids=["gpt-mtp", "mla-mtp"])
+def test_mtp_checkpoint_reshards(
+    dist_pool: DistPool, tmp_path: Path, model: dict[str, object]
+) -> None:
+    results = dist_pool.run(_save, 4, args=(str(tmp_path), model))
     saved: Weights = {}
     for weights, _ in results:  # each stage its own layers; the last also mtp.0.*
         saved.update(weights)
     assert any(name.startswith("mtp.0.") for name in saved)
-    forward, _ = _chain(MTP)
+    forward, _ = _chain(model)
     for layout, world in (({}, 1), ({"pp": 2, "vpp": 2}, 2)):
         loaded: Weights = {}
-        for weights, loss in dist_pool.run(_load, world, args=(str(tmp_path), layout)):
+        for weights, loss in dist_pool.run(_load, world, args=(str(tmp_path), layout, model)):
             loaded.update(weights)
             assert_close_to_reference(loss, results[0][1], reduction_length=forward, name="loss")
         assert loaded.keys() == saved.keys()
