@@ -26,6 +26,7 @@ from mega_models.spec import (
 )
 from mega_models.stages import stage_layer_counts, stage_spec
 from mega_parallel_grid import ParallelConfig
+from mega_parallel_grid.testing import DistPool
 
 
 def test_every_size_finds_its_family() -> None:
@@ -89,6 +90,28 @@ def test_params_per_rank_split_dense_over_tp_and_experts_over_ep_etp() -> None:
     whole, _ = spec.params_per_rank(c, ParallelConfig(), c.num_layers)
     assert dense == whole // 2
     assert whole + experts == spec.total_params(c)
+
+
+def _built_and_counted(sizes: list[str]) -> list[tuple[str, int, int]]:
+    from mega_models import GPTModel
+    from mega_parallel_grid.testing import solo_groups
+
+    out = []
+    for name in sizes:
+        c = model_config(name)
+        model = GPTModel(c, solo_groups(), seed=1, device="meta")
+        out.append((name, sum(p.numel() for p in model.parameters()), spec_for(c).total_params(c)))
+    return out
+
+
+def test_total_params_equal_the_built_models_parameters(dist_pool: DistPool) -> None:
+    """QK-norm's per-head-dim weights, MLA's latent norms, MTP depths and experts included."""
+    sizes = ["tiny", "qwen3-tiny", "qwen3-moe-tiny", "moe-tiny", "deepseek-v3-tiny"]
+    [rows] = dist_pool.run(_built_and_counted, 1, args=(sizes,))
+    for name, built, counted in rows:
+        assert built == counted, (
+            f"{name}: the model has {built} parameters, the spec counts {counted}"
+        )
 
 
 def test_a_gpt_size_with_a_pattern_becomes_the_hybrid_of_its_dimensions() -> None:

@@ -35,10 +35,11 @@ def attention_params(config: GPTConfig) -> int:
 
 
 def attention_norm_params(config: GPTConfig) -> int:
-    """Norm weights inside one MLA layer: its latent norms (0 for standard attention)."""
+    """Norm weights inside one attention layer: MLA's latent norms, or QK-norm's two
+    per-head-dim weights (0 for standard attention without QK-norm)."""
     c = config
     if c.attention != "mla":
-        return 0
+        return 2 * c.head_dim if c.qk_norm else 0
     assert c.kv_lora_rank is not None
     return c.kv_lora_rank + (c.q_lora_rank or 0)
 
