@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _hf_cli import train_from_cli
 from _hf_common import forward_stages, one_sentence, randomise, read_all, save
 
 from mega_models import GPTModel, model_config
@@ -155,26 +153,10 @@ def test_qwen3_bad_input_fails_in_one_sentence(
     one_sentence(err, "qkv_bias (True)", "Qwen3ForCausalLM")
 
 
-def _losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
-
-
 @pytest.mark.skipif(
     importlib.util.find_spec("mega_pretrain") is None, reason="needs the mega-pretrain app"
 )
 def test_qwen3_tiny_trains_from_the_command_line(tmp_path: Path) -> None:
-    env = {**os.environ, "MEGA_PRETRAIN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    args = [
-        sys.executable, "-m", "mega_pretrain", "--config", str(ROOT / "configs/qwen3-tiny.toml"),
-        "--train.steps", "12", "--train.warmup_steps", "2", "--train.log_interval", "1",
-        "--train.seq_len", "32", "--train.micro_batch_size", "4", "--train.global_batch_size", "4",
-        "--train.eval_interval", "0", "--run.tensorboard", "false",
-        "--checkpoint.save_interval", "0", "--run.out_dir", str(tmp_path / "runs"),
-    ]  # fmt: skip
-    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    losses = _losses(tmp_path / "runs" / "qwen3-tiny")
+    losses = train_from_cli(ROOT / "configs/qwen3-tiny.toml", tmp_path, steps=12)
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses

@@ -8,15 +8,12 @@ The layout contract reuses ``test_hybrid``'s helpers (batch, pipeline by hand, g
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
+from _hf_cli import train_from_cli
 from _tolerance import model_reduction_length
 from test_hybrid import BATCH, SEQ, STEPS, batch, full_tensors, run_stages
 
@@ -106,27 +103,10 @@ def test_flop_formula_matches_counted_forward(dist_pool: DistPool) -> None:
     assert counted == formula
 
 
-def _losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
-
-
 @pytest.mark.skipif(
     importlib.util.find_spec("mega_pretrain") is None, reason="needs the mega-pretrain app"
 )
 def test_nemotron_h_tiny_trains_from_the_command_line(tmp_path: Path) -> None:
-    env = {**os.environ, "MEGA_PRETRAIN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    config = ROOT / "configs/nemotron-h-tiny.toml"
-    args = [
-        sys.executable, "-m", "mega_pretrain", "--config", str(config),
-        "--train.steps", "12", "--train.warmup_steps", "2", "--train.log_interval", "1",
-        "--train.seq_len", "32", "--train.micro_batch_size", "4", "--train.global_batch_size", "4",
-        "--train.eval_interval", "0", "--run.tensorboard", "false",
-        "--checkpoint.save_interval", "0", "--run.out_dir", str(tmp_path / "runs"),
-    ]  # fmt: skip
-    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    losses = _losses(tmp_path / "runs" / "nemotron-h-tiny")
+    losses = train_from_cli(ROOT / "configs/nemotron-h-tiny.toml", tmp_path, steps=12)
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
