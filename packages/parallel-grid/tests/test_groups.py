@@ -36,6 +36,8 @@ def _check_groups(config: ParallelConfig) -> dict[str, list[int]]:
         (1, ParallelConfig()),
         (2, ParallelConfig(tp=2)),
         (4, ParallelConfig(tp=2, pp=2)),
+        (4, ParallelConfig(dp_shard=2)),
+        (8, ParallelConfig(tp=2, cp=2, dp_shard=1)),
         (8, ParallelConfig(tp=2, pp=2, cp=2)),
         (8, ParallelConfig(tp=2, pp=4)),
         (4, ParallelConfig(pp=4, vpp=2)),

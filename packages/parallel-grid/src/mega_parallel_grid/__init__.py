@@ -12,7 +12,7 @@ from mega_parallel_grid.groups import (
     group_size,
     init_process_groups,
 )
-from mega_parallel_grid.layout import DENSE_DIMS, EXPERT_DIMS, RankLayout
+from mega_parallel_grid.layout import DENSE_DIMS, EXPERT_DIMS, HSDP_DIMS, RankLayout
 
 try:
     __version__ = importlib.metadata.version("mega-parallel-grid")
@@ -25,6 +25,7 @@ __all__ = [
     "DIMENSION_NAMES",
     "EXPERT_DIMS",
     "GROUP_DIMS",
+    "HSDP_DIMS",
     "Group",
     "ParallelConfig",
     "ProcessGroups",

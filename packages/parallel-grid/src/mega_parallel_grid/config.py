@@ -32,6 +32,14 @@ class ParallelConfig:
     """Virtual pipeline chunks per pipeline rank (interleaved schedule); None means no interleaving."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order: the first name varies fastest across consecutive global ranks."""
+    dp_shard: int | None = None
+    """HSDP: the data-parallel ranks a ZeRO shard group spans (None: all of dp, plain ZeRO).
+
+    dp splits into ``dp_shard`` x ``dp_replicate`` (= dp / dp_shard), dp_shard varying
+    fastest inside dp: the shard groups are runs of consecutive dp ranks (Megatron's
+    intra distributed-optimizer instance group; dp_replicate is its
+    ``num_distributed_optimizer_instances``), the replicate groups stride across them.
+    """
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
@@ -54,6 +62,15 @@ class ParallelConfig:
                     f"vpp ({self.vpp}) needs pipeline parallelism, but pp is 1; "
                     "set pp > 1 or leave vpp unset"
                 )
+        if self.dp_shard is not None and (
+            isinstance(self.dp_shard, bool)
+            or not isinstance(self.dp_shard, int)
+            or self.dp_shard < 1
+        ):
+            raise ValueError(
+                f"dp_shard ({self.dp_shard!r}) must be a positive integer, or None to shard "
+                "over all of dp"
+            )
         self._check_order()
 
     def _check_order(self) -> None:

@@ -55,6 +55,9 @@ GROUP_DIMS: dict[str, str] = {
     "mp": "tp-pp",
     "etp_ep": "etp-ep",
     "etp_ep_pp": "etp-ep-pp",
+    "dp_shard": "dp_shard",
+    "dp_replicate": "dp_replicate",
+    "dp_shard_cp": "dp_shard-cp",
 }
 
 
@@ -79,6 +82,12 @@ class ProcessGroups:
     mp: ProcessGroup
     etp_ep: ProcessGroup
     etp_ep_pp: ProcessGroup
+    dp_shard: ProcessGroup
+    """HSDP: the ranks a ZeRO shard group spans (all of dp unless ``dp_shard`` is set)."""
+    dp_replicate: ProcessGroup
+    """HSDP: the ranks holding the same shard (one rank unless ``dp_shard`` is set)."""
+    dp_shard_cp: ProcessGroup
+    """HSDP with context parallelism: the shard group times cp (``dp_cp`` without HSDP)."""
     embedding: ProcessGroup
     world: ProcessGroup
     layout: RankLayout = field(repr=False)

@@ -6,10 +6,12 @@ from math import prod
 
 from mega_parallel_grid.config import ParallelConfig
 
-__all__ = ["DENSE_DIMS", "EXPERT_DIMS", "RankLayout"]
+__all__ = ["DENSE_DIMS", "EXPERT_DIMS", "HSDP_DIMS", "RankLayout"]
 
 #: Dimensions of the dense (attention / MLP) layout: tp x cp x dp x pp.
 DENSE_DIMS: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+#: The two factors of dp under HSDP (dp_shard varies fastest inside dp).
+HSDP_DIMS: tuple[str, ...] = ("dp_shard", "dp_replicate")
 #: Dimensions of the expert (MoE) layout: etp x ep x edp x pp, folded over the same ranks.
 EXPERT_DIMS: tuple[str, ...] = ("etp", "ep", "edp", "pp")
 
@@ -77,6 +79,13 @@ class RankLayout:
         self.world_size = world_size
         self.config = config
         self.dp = world_size // mp
+        self.dp_shard = self.dp if c.dp_shard is None else c.dp_shard
+        if self.dp % self.dp_shard:
+            raise ValueError(
+                f"dp ({self.dp}) is not divisible by dp_shard ({self.dp_shard}); choose a "
+                f"dp_shard that divides {self.dp}, or leave it unset to shard over all of dp"
+            )
+        self.dp_replicate = self.dp // self.dp_shard
         self.edp = dense_replica // expert_inner
         names = config.ordered_names
         if "dp" not in config.order.lower().split("-") and (self.dp > 1 or self.edp > 1):
@@ -85,14 +94,16 @@ class RankLayout:
                 f"dp = {self.dp} (expert dp = {self.edp}); add dp to the order"
             )
         self._names = names
-        dense = {"tp": c.tp, "cp": c.cp, "ep": 1, "dp": self.dp, "pp": c.pp}
+        # the dense layout cuts dp into its two HSDP factors, dp_shard fastest
+        self._dense_names = [m for n in names for m in (HSDP_DIMS if n == "dp" else (n,))]
+        dense = {"tp": c.tp, "cp": c.cp, "ep": 1, "pp": c.pp}
+        dense |= {"dp_shard": self.dp_shard, "dp_replicate": self.dp_replicate}
         expert = {"tp": c.expert_tp, "cp": 1, "ep": c.ep, "dp": self.edp, "pp": c.pp}
-        self._dense_sizes = [dense[n] for n in names]
+        self._dense_sizes = [dense[n] for n in self._dense_names]
         self._expert_sizes = [expert[n] for n in names]
-        pp_mask = [n == "pp" for n in names]
-        if c.pp > 1 and _orthogonal_groups(self._dense_sizes, pp_mask) != _orthogonal_groups(
-            self._expert_sizes, pp_mask
-        ):
+        if c.pp > 1 and _orthogonal_groups(
+            self._dense_sizes, [n == "pp" for n in self._dense_names]
+        ) != _orthogonal_groups(self._expert_sizes, [n == "pp" for n in names]):
             raise ValueError(
                 f"with pp ({c.pp}) not last in order {config.order!r}, the expert layout "
                 f"(etp={c.expert_tp}, ep={c.ep}, edp={self.edp}) puts pipeline stages on other "
@@ -110,16 +121,16 @@ class RankLayout:
 
     def _parse(self, dims: str) -> tuple[list[int], list[bool]]:
         tokens = dims.lower().split("-")
-        known = set(DENSE_DIMS) | set(EXPERT_DIMS)
+        known = set(DENSE_DIMS) | set(EXPERT_DIMS) | set(HSDP_DIMS)
         for t in tokens:
             if t not in known:
                 raise ValueError(
                     f"unknown dimension {t!r} in {dims!r}; use names from "
-                    f"{', '.join(DENSE_DIMS + EXPERT_DIMS[:3])} joined by '-'"
+                    f"{', '.join(DENSE_DIMS + EXPERT_DIMS[:3] + HSDP_DIMS)} joined by '-'"
                 )
-        if len(set(tokens)) != len(tokens):
+        if len(set(tokens)) != len(tokens) or ("dp" in tokens and set(HSDP_DIMS) & set(tokens)):
             raise ValueError(f"{dims!r} names a dimension twice; name each once")
-        dense_only = {"tp", "cp", "dp"} & set(tokens)
+        dense_only = {"tp", "cp", "dp", *HSDP_DIMS} & set(tokens)
         expert_only = {"etp", "ep", "edp"} & set(tokens)
         if dense_only and expert_only:
             raise ValueError(
@@ -130,10 +141,15 @@ class RankLayout:
         if expert_only:
             slots = {_EXPERT_SLOT[t] for t in tokens}
             return self._expert_sizes, [n in slots for n in self._names]
-        return self._dense_sizes, [n in tokens for n in self._names]
+        wanted = set(tokens) | (set(HSDP_DIMS) if "dp" in tokens else set())
+        return self._dense_sizes, [n in wanted for n in self._dense_names]
 
     def groups(self, dims: str) -> list[list[int]]:
-        """All groups of one dimension or a hyphenated combination (``"tp"``, ``"dp-cp"``)."""
+        """All groups of one dimension or a hyphenated combination (``"tp"``, ``"dp-cp"``).
+
+        ``"dp_shard"`` and ``"dp_replicate"`` (HSDP) are the two factors of dp and combine
+        like the others (``"dp_shard-cp"``: the ZeRO shard group of a context-parallel run).
+        """
         sizes, members = self._parse(dims)
         return _orthogonal_groups(sizes, members)
 
@@ -146,13 +162,16 @@ class RankLayout:
         raise AssertionError("every rank belongs to exactly one group")  # pragma: no cover
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index in every single dimension, dense and expert."""
+        """This rank's index in every single dimension, dense and expert, and in dp's two
+        HSDP factors (``dp = dp_shard + dp_replicate * layout.dp_shard``)."""
         self._check_rank(rank)
-        dense = dict(zip(self._names, _digits(rank, self._dense_sizes), strict=True))
+        dense = dict(zip(self._dense_names, _digits(rank, self._dense_sizes), strict=True))
         expert = dict(zip(self._names, _digits(rank, self._expert_sizes), strict=True))
+        dp = dense["dp_shard"] + dense["dp_replicate"] * self.dp_shard
         return {
-            "tp": dense["tp"], "cp": dense["cp"], "dp": dense["dp"], "pp": dense["pp"],
+            "tp": dense["tp"], "cp": dense["cp"], "dp": dp, "pp": dense["pp"],
             "etp": expert["tp"], "ep": expert["ep"], "edp": expert["dp"],
+            "dp_shard": dense["dp_shard"], "dp_replicate": dense["dp_replicate"],
         }  # fmt: skip
 
     def embedding_ranks(self, rank: int) -> list[int]:
