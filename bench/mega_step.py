@@ -55,6 +55,10 @@ def main() -> None:
         "--tp-comm-overlap", action="store_true",
         help="parallel.tp_comm_overlap true (needs --sp): SP collectives overlapped with GEMMs",
     )  # fmt: skip
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="any other config override, e.g. --set parallel.sharding=parameters (repeatable)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.smoke:
         args.size, args.mb, args.seq, args.steps, args.warmup = "tiny", 2, 64, 2, 1
@@ -77,6 +81,11 @@ def main() -> None:
         ("parallel.sequence_parallel", str(args.sp).lower()),
         ("parallel.tp_comm_overlap", str(args.tp_comm_overlap).lower()),
     ]  # fmt: skip
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set {item!r} is not KEY=VALUE")
+        overrides.append((key, value))
     config = load_config(None, overrides)
     dp = plan_for(config, world).dp  # the layout's dp sets the global batch
     batch = args.mb * args.accum * dp
@@ -121,7 +130,8 @@ def main() -> None:
     flops = plan.flops_per_token()  # the family's count: hybrid sizes get their own
     tok_s = tokens / (med / 1e3)
     result = {
-        "system": f"mega{'-compile' if args.compile else '-eager'}{'-fp8' if args.fp8 else ''}",
+        "system": f"mega{'-compile' if args.compile else '-eager'}{'-fp8' if args.fp8 else ''}"
+        + "".join(f" {item}" for item in args.set),
         "size": args.size, "mb": args.mb,
         "tp": args.tp, "pp": args.pp, "pp_layers": args.pp_layers, "ep": args.ep, "dp": dp, "sp": args.sp, "world": world,
         "tp_comm_overlap": args.tp_comm_overlap,
