@@ -16,6 +16,7 @@ from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 from mega_pretrain.config import TrainConfig, TrainerConfig
 from mega_pretrain.data.packing import packing_for
+from mega_pretrain.graphs import compile_kwargs
 from mega_pretrain.plan import resolve_model_config
 from mega_pretrain.runtime import resolve_precision
 from mega_tp_layers import RNGStatesTracker, tp_rng_tracker
@@ -97,9 +98,9 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     if t.compile:
         for chunk in chunks:
             for layer in chunk.layers.values():
-                layer.compile()
+                layer.compile(**compile_kwargs(config))
             for depth in getattr(chunk, "mtp", None) or []:  # an MTP depth's layer too
-                depth.layer.compile()
+                depth.layer.compile(**compile_kwargs(config))
             if chunk.stage.last and groups.size("tp") == 1:
                 # norm, output projection and loss in one graph: the fp32 logits are never
                 # written out (at tp > 1 the vocabulary-parallel loss runs eagerly)

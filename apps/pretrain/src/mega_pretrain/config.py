@@ -147,6 +147,9 @@ class TrainConfig:
     """Activation recomputation."""
     compile: bool = False
     """torch.compile each transformer layer."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
+    """torch.compile's mode for the layers: ``reduce-overhead`` replays each layer's forward and
+    backward as CUDA graphs (GPU, dense models, tp/cp/ep 1; see ``mega_pretrain.graphs``)."""
     log_interval: int = 10
     """Steps between log lines (where the loss is read on the host; bench/NOTES.md lists the
     other per-step host reads)."""

@@ -8,6 +8,7 @@ from mega_models import GPTConfig
 from mega_pretrain.config import TrainerConfig
 from mega_pretrain.data import check_vocab
 from mega_pretrain.data.packing import check_packing
+from mega_pretrain.graphs import check_compile_mode
 from mega_pretrain.plan import Plan, plan_for
 from mega_pretrain.runtime import resolve_precision
 
@@ -61,6 +62,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             )
     plan.spec.check_layout(model, plan.layout_request)  # the family's own checks
     check_packing(config, model, plan.spec.name)  # data.reset_* / eod_mask_loss
+    check_compile_mode(config, model)  # train.compile_mode (CUDA graphs)
     precision = resolve_precision(t.precision)
     if t.fp8 and precision != "bf16":
         raise ValueError(
