@@ -124,6 +124,17 @@ SUITES: dict[str, Suite] = {
                                  "--steps 5 --warmup 3")
         for size, mb in (("moe-2b", 4), ("deepseek-3b", 4), ("1b-bench", 8))
     ],
+    # CUDA graphs (train.compile_mode reduce-overhead) against the default compile: 125m is
+    # launch-bound, 1b-bench is not; and the CUDA-only test that graphs train like the default
+    "graphs": [
+        *[
+            (f"{size} {mode}", 300, f"{_STEP} --size {size} --mb {mb} --compile "
+                                    f"--set train.compile_mode={mode}")
+            for size, mb in (("125m", 8), ("1b-bench", 8))
+            for mode in ("default", "reduce-overhead")
+        ],
+        ("graphs test", 200, "python3 -m pytest -q apps/pretrain/tests/test_compile_mode.py"),
+    ],
     # the contract tests again on the GPU with NCCL (the pool uses NCCL when GPUs are visible)
     "gpu-tests": [
         ("parallel-grid tests", 300, "python3 -m pytest -q -p mega_parallel_grid.testing.pytest_plugin "
