@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -19,7 +21,7 @@ from mega_pretrain.data.packing import packing_for
 from mega_pretrain.graphs import compile_kwargs
 from mega_pretrain.plan import resolve_model_config
 from mega_pretrain.runtime import resolve_precision
-from mega_tp_layers import RNGStatesTracker, tp_rng_tracker
+from mega_tp_layers import SEQUENCE_PARALLEL_ATTR, RNGStatesTracker, tp_rng_tracker
 from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, DynamicLossScaler
 
 __all__ = [
@@ -51,11 +53,33 @@ class Built:
     packing: DocumentPacking | None = None
     pp_schedule: str = "1f1b"
     """``parallel.pp_schedule`` resolved (``1f1b``, ``interleaved`` or ``zb-h1``)."""
+    whole_ddp: DistributedDataParallel | None = None
+    """Under ``parallel.sharding`` gradients/parameters: the parameters whose gradients are
+    summed over tp or pp after the dp reduction (sequence-parallel norms, a tied embedding
+    split over pp), kept at ZeRO-1 so that those gradients stay whole."""
 
     @property
     def ddps(self) -> list[DistributedDataParallel]:
-        """Every data-parallel wrapper: the dense one, then the experts' (MoE models)."""
-        return [self.ddp] if self.expert_ddp is None else [self.ddp, self.expert_ddp]
+        """Every data-parallel wrapper: the dense one, the experts' (MoE models), then the
+        whole-gradient one (ZeRO-2/3 with such parameters)."""
+        return [d for d in (self.ddp, self.expert_ddp, self.whole_ddp) if d is not None]
+
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Around each chunk's forward: ZeRO-3's root unit gathered and its saved
+        parameters tracked (nothing for the other stages)."""
+        with ExitStack() as stack:
+            for ddp in self.ddps:
+                stack.enter_context(ddp.forward_context())
+            yield
+
+    @contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Inside, every parameter holds its full values (ZeRO-3 gathers them; read only)."""
+        with ExitStack() as stack:
+            for ddp in self.ddps:
+                stack.enter_context(ddp.gathered_parameters())
+            yield
 
 
 def parallel_config(config: TrainerConfig) -> ParallelConfig:
@@ -89,7 +113,10 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     chunks: list[ModelChunk] = []
     for index in range(vpp or 1):
         split = p.pp_layers or None  # None: an even split
-        stage = stage_spec(model.num_layers, pp, groups.rank("pp"), vpp, index, split)
+        rank = groups.rank("pp")
+        if index == 1 and p.pp_schedule in ("zbv", "dualpipev"):  # the V: stage 2 pp - 1 - rank
+            rank = pp - 1 - rank
+        stage = stage_spec(model.num_layers, pp, rank, vpp, index, split)
         chunk = spec.build(
             model, groups, stage, cp_method=p.cp_method, fp8=t.fp8,
             tp_comm_overlap=p.tp_comm_overlap, **kwargs,
@@ -111,22 +138,9 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     # stays sharded).
     tied_across_stages = (model.tie_embeddings or model.mtp_num_layers > 0) and pp > 1
     wrapped = nn.ModuleList(chunks)
-    common: dict[str, Any] = {
-        "bucket_size": p.bucket_size, "overlap_grad_reduce": p.overlap_grad_reduce,
-        "use_distributed_optimizer": p.distributed_optimizer and not tied_across_stages,
-    }  # fmt: skip
-    expert_ddp = None
-    if model.is_moe:
-        # Expert weights are replicated only over edp, but each one's gradient already sums
-        # the tokens its ep x etp ranks routed to it: summed over edp and scaled by 1/(dp*cp)
-        # it is the same mean over the global batch as the dense gradients' average.
-        ddp = DistributedDataParallel(wrapped, dp_group=groups.dp_cp, param_filter=_dense, **common)
-        expert_ddp = DistributedDataParallel(
-            wrapped, dp_group=groups.edp, param_filter=_expert, grad_reduce="sum",
-            grad_scale=1.0 / groups.size("dp_cp"), **common,
-        )  # fmt: skip
-    else:
-        ddp = DistributedDataParallel(wrapped, dp_group=groups.dp_cp, **common)
+    ddp, expert_ddp, whole_ddp = _wrap(
+        wrapped, chunks, config, groups, model.is_moe, tied_across_stages
+    )
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for name, param in ddp.named_parameters():
@@ -139,8 +153,9 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         lr=t.lr, fused=fused,
     )  # fmt: skip
     # expert weights differ over ep x etp: every rank counts its own shards once in the norm
+    built_ddps = [d for d in (ddp, expert_ddp, whole_ddp) if d is not None]
     optimizer = DistributedOptimizer(
-        adam, ddp if expert_ddp is None else [ddp, expert_ddp],
+        adam, built_ddps,
         max_grad_norm=t.clip_grad if t.clip_grad > 0 else None,
         grad_norm_group=groups.world,
         loss_scaler=DynamicLossScaler() if t.precision == "fp16" else None,
@@ -148,8 +163,76 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     )  # fmt: skip
     return Built(
         chunks, ddp, optimizer, rng, expert_ddp, packing_for(config),
-        config.parallel.resolved_pp_schedule(),
+        config.parallel.resolved_pp_schedule(), whole_ddp,
     )  # fmt: skip
+
+
+def _wrap(
+    wrapped: nn.ModuleList,
+    chunks: list[ModelChunk],
+    config: TrainerConfig,
+    groups: ProcessGroups,
+    is_moe: bool,
+    tied_across_stages: bool,
+) -> tuple[DistributedDataParallel, DistributedDataParallel | None, DistributedDataParallel | None]:
+    """The dense, the expert (MoE) and the whole-gradient data-parallel wrappers.
+
+    Under ZeRO-2/3 (``parallel.sharding``) the parameters whose gradients
+    :func:`~mega_models.finalize_model_grads` still sums after the dp reduction (replicated
+    over tp under sequence parallelism or QK-norm; a tied embedding over the pp ends) would
+    have had their full gradients freed: they get a wrapper of their own at ZeRO-1, whose
+    ``main_grad`` stays whole. ZeRO-3 gathers each transformer layer (and an MTP depth's
+    layer) as one unit; the embedding, the final norm and the head stay in the root unit,
+    gathered for the whole step (a tied head reads the embedding outside its module).
+    """
+    p, stage = config.parallel, config.parallel.zero_stage
+    sharded = stage != "optimizer"
+    tp = groups.size("tp")
+
+    def whole(name: str, param: nn.Parameter) -> bool:
+        if not sharded:
+            return False
+        if tp > 1 and getattr(param, SEQUENCE_PARALLEL_ATTR, False):
+            return True
+        return tied_across_stages and name.split(".", 1)[-1] == "embedding.word.weight"
+
+    units: list[nn.Module] | None = None
+    if stage == "parameters":
+        units = [layer for chunk in chunks for layer in chunk.layers.values()]
+        units += [d.layer for chunk in chunks for d in getattr(chunk, "mtp", None) or []]
+    common: dict[str, Any] = {
+        "bucket_size": p.bucket_size, "overlap_grad_reduce": p.overlap_grad_reduce,
+    }  # fmt: skip
+    zero: dict[str, Any] = {"sharding": stage, "gather_units": units}
+    if not sharded:
+        zero["use_distributed_optimizer"] = p.distributed_optimizer and not tied_across_stages
+    has_whole = any(whole(n, q) and not _expert(n, q) for n, q in wrapped.named_parameters())
+
+    def dense(name: str, param: nn.Parameter) -> bool:
+        return _dense(name, param) and not whole(name, param)
+
+    ddp = DistributedDataParallel(
+        wrapped, dp_group=groups.dp_cp, param_filter=dense if is_moe or has_whole else None,
+        **common, **zero,
+    )  # fmt: skip
+    expert_ddp = None
+    if is_moe:
+        # Expert weights are replicated only over edp, but each one's gradient already sums
+        # the tokens its ep x etp ranks routed to it: summed over edp and scaled by 1/(dp*cp)
+        # it is the same mean over the global batch as the dense gradients' average.
+        expert_ddp = DistributedDataParallel(
+            wrapped, dp_group=groups.edp, param_filter=_expert, grad_reduce="sum",
+            grad_scale=1.0 / groups.size("dp_cp"), **common, **zero,
+        )  # fmt: skip
+    whole_ddp = None
+    if has_whole:
+        whole_ddp = DistributedDataParallel(
+            wrapped, dp_group=groups.dp_cp, sharding="optimizer",
+            param_filter=lambda n, q: _dense(n, q) and whole(n, q),
+            use_distributed_optimizer=p.distributed_optimizer and not tied_across_stages,
+            **common,
+        )  # fmt: skip
+    return ddp, expert_ddp, whole_ddp
 
 
 def _group_settings(train: TrainConfig, index: int) -> dict[str, Any]:

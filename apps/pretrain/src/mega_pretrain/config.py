@@ -31,6 +31,11 @@ class ModelSection:
     """GPTConfig fields to change, e.g. ``--model.num_layers 8`` lands here."""
 
 
+#: Megatron-FSDP's ``data_parallel_sharding_strategy`` names for ``parallel.sharding``.
+_SHARDING_ALIASES = {"optim": "optimizer", "optim_grads": "gradients",
+                     "optim_grads_params": "parameters"}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ParallelSection:
     """How the model is cut across ranks; dp is what is left of the world size."""
@@ -47,11 +52,13 @@ class ParallelSection:
     """Expert tensor-parallel size (default: tp)."""
     vpp: int | None = None
     """Virtual pipeline chunks per pp rank (interleaved 1F1B)."""
-    pp_schedule: Literal["auto", "1f1b", "interleaved", "zb-h1", "zbv"] = "auto"
+    pp_schedule: Literal["auto", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"] = "auto"
     """Pipeline schedule: ``auto`` (interleaved with vpp > 1, else 1F1B), ``1f1b``,
     ``interleaved`` (needs vpp > 1), ``zb-h1`` (1F1B with the linears' weight gradients
-    deferred into the cool-down; vpp unset) or ``zbv`` (two chunks in a V; order only,
-    not runnable yet)."""
+    deferred into the cool-down; vpp unset), ``zbv`` (zero bubble in a V) or ``dualpipev``
+    (DeepSeek's V-shaped DualPipe; at least 2 pp micro-batches). The V schedules need vpp 2:
+    rank r holds virtual stages r and 2 pp - 1 - r, so rank 0 holds the embedding and the
+    output layer."""
     pp_layers: tuple[int, ...] = ()
     """Layers per virtual stage, in pipeline order (``pp * vpp`` counts adding up to the
     layers), e.g. ``13,11`` to give the last stage, which also holds the output layer and
@@ -65,6 +72,16 @@ class ParallelSection:
     """How context-parallel attention exchanges K/V."""
     distributed_optimizer: bool = True
     """Shard optimizer state over dp (ZeRO-1) instead of replicating it."""
+    sharding: Literal[
+        "optimizer", "gradients", "parameters", "optim", "optim_grads", "optim_grads_params"
+    ] = "optimizer"
+    """What else each dp rank keeps only its shard of, beside the optimizer state (needs
+    distributed_optimizer): ``optimizer`` (ZeRO-1: 2 + 4 + 12/dp bytes per bf16 parameter
+    with AdamW), ``gradients`` (ZeRO-2: reduce-scattered gradient shards, each bucket's full
+    gradients freed once reduced; 2 + 16/dp) or ``parameters`` (ZeRO-3, FSDP: parameter
+    shards, each transformer layer all-gathered before its forward and its backward and freed
+    after, the next one prefetched; 18/dp). Megatron-FSDP's names ``optim``, ``optim_grads``
+    and ``optim_grads_params`` are accepted as aliases."""
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's reduction during backward."""
     overlap_param_gather: bool = False
@@ -77,12 +94,13 @@ class ParallelSection:
         chunks, choice = self.vpp or 1, self.pp_schedule
         if choice == "auto":
             return "interleaved" if chunks > 1 else "1f1b"
-        if choice == "zbv":
-            raise ValueError(
-                "parallel.pp_schedule 'zbv' has a pure order (mega_pipeline.zbv_order) but no "
-                "executor yet; use 'zb-h1', or 'interleaved' with vpp 2"
-            )
-        if (choice == "interleaved") != (chunks > 1):
+        if choice in ("zbv", "dualpipev"):
+            if self.vpp != 2:
+                raise ValueError(
+                    f"parallel.pp_schedule {choice!r} runs two chunks per rank in a V, but vpp "
+                    f"is {self.vpp}; set --parallel.vpp 2"
+                )
+        elif (choice == "interleaved") != (chunks > 1):
             raise ValueError(
                 f"parallel.pp_schedule {choice!r} with vpp {self.vpp}: 'interleaved' needs "
                 "vpp > 1 and '1f1b'/'zb-h1' run one chunk per rank; set vpp to match"
@@ -92,6 +110,11 @@ class ParallelSection:
                 f"parallel.pp_schedule {choice!r} needs pp > 1; set --pp or use '1f1b'/'auto'"
             )
         return choice
+
+    @property
+    def zero_stage(self) -> str:
+        """``sharding`` with Megatron-FSDP's aliases resolved: optimizer, gradients or parameters."""
+        return _SHARDING_ALIASES.get(self.sharding, self.sharding)
 
     def parallel_config(self) -> ParallelConfig:
         """The degrees as mega-parallel-grid's ParallelConfig (validated there)."""

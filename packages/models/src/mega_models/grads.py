@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mega_parallel_grid import ProcessGroups
-from mega_tp_layers import all_reduce_coalesced, gradient_of, sync_sequence_parallel_grads
+from mega_tp_layers import (
+    SEQUENCE_PARALLEL_ATTR,
+    all_reduce_coalesced,
+    gradient_of,
+    sync_sequence_parallel_grads,
+)
 
 __all__ = ["finalize_model_grads", "gradient_of"]
 
@@ -24,6 +29,11 @@ def finalize_model_grads(chunks: nn.Module | Sequence[nn.Module], groups: Proces
     """
     modules = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
     params = [p for m in modules for p in m.parameters()]
+    if groups.size("tp") > 1:
+        _check_whole(
+            (n, p) for m in modules for n, p in m.named_parameters()
+            if getattr(p, SEQUENCE_PARALLEL_ATTR, False)
+        )  # fmt: skip
     sync_sequence_parallel_grads(params, groups.tp)  # replicated params under SP: sum over tp
     if groups.size("pp") == 1 or dist.get_world_size(groups.embedding) == 1:
         return
@@ -37,6 +47,19 @@ def finalize_model_grads(chunks: nn.Module | Sequence[nn.Module], groups: Proces
         for name, p in m.named_parameters():
             grad = gradient_of(p)
             if name == "embedding.word.weight" and grad is not None:
+                _check_whole([(name, p)])
                 tied.append(grad)
     if tied:
         all_reduce_coalesced(tied, groups.embedding)
+
+
+def _check_whole(named: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """Raise when a gradient to be summed was freed (ZeRO-2/3 keep only a dp shard of it)."""
+    for name, p in named:
+        grad = gradient_of(p)
+        if grad is not None and grad.numel() and grad.untyped_storage().nbytes() == 0:
+            raise RuntimeError(
+                f"the gradient of {name!r} was freed after its dp reduce-scatter (ZeRO-2/3), "
+                "so it cannot be summed over tp or pp; wrap such parameters in a "
+                "DistributedDataParallel of sharding='optimizer' (mega_pretrain.build does)"
+            )

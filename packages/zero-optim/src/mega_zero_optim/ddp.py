@@ -259,6 +259,18 @@ class DistributedDataParallel(nn.Module):
         self.finish_param_sync()  # modules this forward did not run
         return out
 
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """What :meth:`forward` runs the module in, for a caller that calls a part of the
+        wrapped module itself (a pipeline schedule calling one model chunk): under ZeRO-3
+        the root unit gathered and the saved parameter views tracked for backward; nothing
+        for the other stages."""
+        if self._gatherer is None:
+            yield
+            return
+        with self._gatherer.forward_pass():
+            yield
+
     # gradients ---------------------------------------------------------------------------
 
     def _grad_hook(self, buffer: ParamAndGradBuffer, index: int) -> Callable[[torch.Tensor], None]:

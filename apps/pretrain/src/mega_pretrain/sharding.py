@@ -1,0 +1,46 @@
+"""``parallel.sharding`` (ZeRO-1/2/3) checked against the rest of the config, one sentence each.
+
+The stages themselves live in mega-zero-optim (``DistributedDataParallel(sharding=...)``);
+:func:`mega_pretrain.build.build` wires them. What the trainer cannot run yet is refused
+here, before any process group exists.
+"""
+
+from __future__ import annotations
+
+from mega_models import GPTConfig
+from mega_pretrain.config import TrainerConfig
+
+__all__ = ["check_sharding"]
+
+
+def check_sharding(config: TrainerConfig, model: GPTConfig) -> None:
+    """Raise ValueError for a ``parallel.sharding`` that this config cannot train with."""
+    p, t = config.parallel, config.train
+    stage = p.zero_stage
+    if stage == "optimizer":
+        return
+    asked = f"parallel.sharding {p.sharding!r}"
+    if not p.distributed_optimizer:
+        raise ValueError(
+            f"{asked} shards the gradients over dp, which needs parallel.distributed_optimizer "
+            "true (false all-reduces whole gradients); turn it on or use sharding 'optimizer'"
+        )
+    if stage != "parameters":
+        return
+    if p.overlap_param_gather:
+        raise ValueError(
+            f"parallel.overlap_param_gather does not apply to {asked} (ZeRO-3 gathers each "
+            "layer's parameters before its forward, prefetching the next); turn it off"
+        )
+    if model.is_moe:
+        raise ValueError(
+            f"{asked} with an MoE model (num_experts {model.num_experts}) is not supported "
+            "yet: the dense and the expert wrappers would both track saved parameters in "
+            "backward and torch keeps only the innermost such hook; use sharding 'gradients'"
+        )
+    if t.compile:
+        raise ValueError(
+            f"train.compile with {asked} is not supported yet: the layers' gather hooks swap "
+            "parameter storage inside the compiled forward; turn compile off or use sharding "
+            "'gradients'"
+        )

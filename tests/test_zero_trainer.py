@@ -1,0 +1,124 @@
+"""Contract: ZeRO-2 and ZeRO-3 through the trainer (``parallel.sharding``) equal one process.
+
+The trainer's own ``build`` and ``StepRunner`` train the tiny GPT of
+``test_gpt_training_layouts`` (8 layers, hidden 64, vocab 257) for 3 AdamW steps with
+gradient accumulation (2 micro-batches per dp rank at dp 2), clipping at 1.0, against the
+same plain single-process reference, with the same rounding bounds (see that file).
+ZeRO-3's full weights are read inside ``Built.gathered_parameters``. The MoE cases reuse
+``test_moe_training``'s check (its expert weights are sharded over expert-dp). Beside the
+numbers, each ZeRO-3 run checks that only the parameter shards stay allocated between
+steps (what the memory formula counts).
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_gpt_training_layouts as layouts
+import test_moe_training as moe
+import torch
+
+from mega_parallel_grid import init_process_groups
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
+from mega_pretrain.build import build, gpt_config, parallel_config
+from mega_pretrain.config import load_config
+from mega_pretrain.step import StepRunner
+from mega_pretrain.validate import check_config
+from mega_zero_optim.sharded_buffer import ShardedBuffer
+
+Result = tuple[list[float], list[float], dict[str, torch.Tensor]]
+
+
+def _parallel(layout: dict[str, object], model: dict[str, object]) -> Result:
+    config = load_config(None, layouts._overrides(layout, model))
+    gpt = gpt_config(config)
+    check_config(config, gpt, torch.distributed.get_world_size())
+    groups = init_process_groups(parallel_config(config))
+    dev = rank_device()
+    built = build(config, groups, dev)
+    micro = layouts._micro(layout)
+    runner = StepRunner(
+        built, groups, seq_len=layouts.SEQ, micro_batch_size=micro,
+        hidden_size=gpt.hidden_size, dtype=torch.float32, device=dev,
+        sequence_parallel=config.parallel.sequence_parallel,
+    )  # fmt: skip
+    dp, dp_rank = groups.size("dp"), groups.rank("dp")
+    losses, norms = [], []
+    for step in range(layouts.STEPS):
+        mine = layouts._batches(7, step, micro)[dp_rank::dp]
+        loss, result = runner.train_step(mine, layouts.LR)
+        assert result.updated
+        losses.append(float(loss))
+        norms.append(result.grad_norm)
+    for ddp in built.ddps:
+        assert ddp.sharding == (
+            config.parallel.zero_stage if ddp is not built.whole_ddp else "optimizer"
+        )
+        for buffer in ddp.param_and_grad_buffers:
+            if ddp.sharding != "optimizer":  # between steps only the shards are allocated
+                assert isinstance(buffer, ShardedBuffer)
+                assert buffer.grad_bytes == buffer.grad_shard_data.numel() * 4
+                if ddp.sharding == "parameters":
+                    assert buffer.param_bytes == buffer.numel // ddp.dp_size * 4
+    with built.gathered_parameters():
+        weights = layouts._full_weights(built.chunks)
+    return losses, norms, weights
+
+
+def _check(dist_pool: DistPool, layout: dict[str, object], model: dict[str, object]) -> None:
+    ref_losses, ref_norms, ref_weights = dist_pool.run(layouts._reference, 1, args=(model,))[0]
+    results = dist_pool.run(_parallel, layouts._world(layout, 2), args=(layout, model))
+    forward, grad = layouts._chain(model)
+    for losses, norms, _ in results:
+        assert_close_to_reference(
+            torch.tensor(losses), torch.tensor(ref_losses), reduction_length=forward, name="losses"
+        )
+        assert_close_to_reference(
+            torch.tensor(norms), torch.tensor(ref_norms), reduction_length=grad, name="grad norms"
+        )
+    merged: dict[str, torch.Tensor] = {}
+    for _, _, weights in results:
+        merged.update(weights)
+    assert set(merged) == set(ref_weights)
+    for name, value in merged.items():
+        assert torch.isfinite(value).all(), name
+        assert_close_to_reference(
+            value, ref_weights[name], reduction_length=layouts.STEPS * grad, name=name
+        )
+
+
+CASES: list[tuple[dict[str, object], dict[str, object]]] = [
+    ({"sharding": "gradients"}, {}),
+    ({"sharding": "parameters"}, {}),
+    ({"sharding": "optim_grads_params"}, {"tie_embeddings": True}),  # Megatron's name
+    ({"sharding": "gradients", "tp": 2, "sequence_parallel": True}, {}),
+    ({"sharding": "parameters", "tp": 2, "sequence_parallel": True}, {}),
+    ({"sharding": "parameters", "pp": 2}, {}),
+    ({"sharding": "parameters", "pp": 2, "vpp": 2}, {}),
+    ({"sharding": "gradients", "pp": 2}, {"tie_embeddings": True}),
+    ({"sharding": "parameters", "pp": 2}, {"tie_embeddings": True}),
+    ({"sharding": "parameters", "cp": 2}, {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "model"),
+    CASES,
+    ids=["-".join(f"{k}{v}" for k, v in {**lay, **mod}.items()) + "-dp2" for lay, mod in CASES],
+)
+def test_zero_stage_trains_like_one_process(
+    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object]
+) -> None:
+    _check(dist_pool, layout, model)
+
+
+MOE_CASES = [
+    ({"ep": 2, "sharding": "gradients"}, 4),  # ep2 folded over dp4: experts over edp 2
+    ({"ep": 2, "pp": 2, "sharding": "gradients"}, 2),
+]
+
+
+@pytest.mark.parametrize(("layout", "dp"), MOE_CASES, ids=["ep2-dp4", "ep2-pp2-dp2"])
+def test_moe_zero2_trains_like_one_process(
+    dist_pool: DistPool, layout: dict[str, object], dp: int
+) -> None:
+    moe._check(dist_pool, layout, moe.MIXTRAL, dp)
