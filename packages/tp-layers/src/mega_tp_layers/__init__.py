@@ -12,6 +12,7 @@ from mega_tp_layers.fp8 import (
     fp8_linear_forward,
     fp8_linear_wgrad,
 )
+from mega_tp_layers.fused_cross_entropy import fused_linear_cross_entropy
 from mega_tp_layers.grads import (
     SEQUENCE_PARALLEL_ATTR,
     all_reduce_coalesced,
@@ -105,6 +106,7 @@ __all__ = [
     "fp8_linear_dgrad",
     "fp8_linear_forward",
     "fp8_linear_wgrad",
+    "fused_linear_cross_entropy",
     "gather_from_sequence_region",
     "gather_from_tp_region",
     "gather_full",

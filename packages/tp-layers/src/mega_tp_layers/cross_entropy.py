@@ -85,6 +85,32 @@ class _VocabParallelCrossEntropy(Function):
         return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
+def check_targets_dtype(targets: Tensor, owner: str) -> None:
+    """Token ids must be integers: one sentence otherwise."""
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(
+            f"{owner} expects integer targets, got dtype {targets.dtype}; "
+            "pass a torch.long tensor of token ids"
+        )
+
+
+def check_vocab(
+    vocab_size: int | None, per_rank: int, tp_group: ProcessGroup, label_smoothing: float
+) -> int:
+    """The real vocabulary (default: all ``per_rank x tp`` rows), checked with the smoothing."""
+    held = per_rank * group_size(tp_group)
+    if vocab_size is None:
+        vocab_size = held
+    if not 1 <= vocab_size <= held:
+        raise ValueError(
+            f"vocab_size ({vocab_size}) must lie in [1, {held}], the vocabulary the shards "
+            f"hold ({per_rank} per rank x tp {group_size(tp_group)})"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing ({label_smoothing}) must lie in [0, 1]")
+    return vocab_size
+
+
 def vocab_parallel_cross_entropy(
     logits_shard: Tensor,
     targets: Tensor,
@@ -104,26 +130,14 @@ def vocab_parallel_cross_entropy(
     including ``label_smoothing`` (spread over the real vocabulary) and ``ignore_index``
     (loss and gradient 0). Computed in fp32 whatever the logits' dtype.
     """
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(
-            f"vocab_parallel_cross_entropy expects integer targets, got dtype {targets.dtype}; "
-            "pass a torch.long tensor of token ids"
-        )
+    check_targets_dtype(targets, "vocab_parallel_cross_entropy")
     if logits_shard.dim() < 1 or tuple(logits_shard.shape[:-1]) != tuple(targets.shape):
         raise ValueError(
             f"logits shard shape {tuple(logits_shard.shape)} does not match targets shape "
             f"{tuple(targets.shape)}; the logits need one more (vocabulary) dimension, last"
         )
+    vocab_size = check_vocab(vocab_size, logits_shard.shape[-1], tp_group, label_smoothing)
     held = logits_shard.shape[-1] * group_size(tp_group)
-    if vocab_size is None:
-        vocab_size = held
-    if not 1 <= vocab_size <= held:
-        raise ValueError(
-            f"vocab_size ({vocab_size}) must lie in [1, {held}], the vocabulary the shards "
-            f"hold ({logits_shard.shape[-1]} per rank x tp {group_size(tp_group)})"
-        )
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing ({label_smoothing}) must lie in [0, 1]")
     if held == logits_shard.shape[-1]:
         # one rank holds the whole vocabulary: the library's fused kernel, which the
         # compiler can also fuse with the output projection (no fp32 copy of the logits)
