@@ -89,5 +89,7 @@ def test_cuda_graphs_train_like_the_default_mode(dist_pool: DistPool) -> None:
     # losses agree to fp32 rounding of the forward's reductions (hidden x layers, stated wide)
     [graphs] = dist_pool.run(_losses, 1, args=("reduce-overhead",))
     [default] = dist_pool.run(_losses, 1, args=("default",))
-    for got, want in zip(graphs, default, strict=True):
-        assert_close_to_reference(got, want, reduction_length=64 * 2 * SEQ)
+    for step, (got, want) in enumerate(zip(graphs, default, strict=True)):
+        assert_close_to_reference(
+            got, want, reduction_length=64 * 2 * SEQ, name=f"loss of step {step}"
+        )
