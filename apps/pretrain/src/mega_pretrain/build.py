@@ -119,6 +119,10 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
             tp_comm_overlap=p.tp_comm_overlap, **kwargs,
         )  # fmt: skip
         chunks.append(cast(ModelChunk, chunk))
+    if t.loss_chunk_size:  # the fused output layer + loss: no [tokens, vocab] logits
+        n = t.loss_chunk_size
+        for chunk in chunks:
+            chunk.head_fn = lambda *a, **k: lm_head(*a, loss_chunk_size=n, **k)
     if t.compile:
         for chunk in chunks:
             for layer in chunk.layers.values():
@@ -128,7 +132,7 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
             if chunk.stage.last and groups.size("tp") == 1:
                 # norm, output projection and loss in one graph: the fp32 logits are never
                 # written out (at tp > 1 the vocabulary-parallel loss runs eagerly)
-                chunk.head_fn = torch.compile(lm_head)
+                chunk.head_fn = torch.compile(chunk.head_fn)
     # A tied embedding (or one MTP reuses) split over pp has one copy on each end stage, at
     # different places in the two stages' gradient buffers; after a reduce-scatter each dp
     # rank would hold different parts of them, so such models all-reduce gradients (state

@@ -170,6 +170,11 @@ class TrainConfig:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     """torch.compile's mode for the layers: ``reduce-overhead`` replays each layer's forward and
     backward as CUDA graphs (GPU, dense models, tp/cp/ep 1; see ``mega_pretrain.graphs``)."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of the fused output layer + cross-entropy, which never holds the
+    ``[tokens, vocab/tp]`` logits (peak about chunk x vocab/tp fp32 values; backward
+    recomputes each chunk's logits: one more GEMM of the head's size); any tp, SP, tied
+    embeddings and MTP. 0: the output layer, then the loss, the logits materialised."""
     log_interval: int = 10
     """Steps between log lines (where the loss is read on the host; bench/NOTES.md lists the
     other per-step host reads)."""

@@ -26,6 +26,11 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
         value = getattr(t, name)
         if value < 1:
             raise ValueError(f"train.{name} ({value}) must be at least 1")
+    if t.loss_chunk_size < 0:
+        raise ValueError(
+            f"train.loss_chunk_size ({t.loss_chunk_size}) must be 0 (off) or a positive number "
+            "of tokens per chunk, e.g. 4096"
+        )
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(
             f"train.global_batch_size ({t.global_batch_size}) is not divisible by "

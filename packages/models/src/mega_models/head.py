@@ -17,6 +17,7 @@ from mega_tp_layers import (
     Normal,
     VocabParallelEmbedding,
     column_parallel_linear,
+    fused_linear_cross_entropy,
     mark_replicated,
     scatter_to_sequence_region,
     set_shard_spec,
@@ -127,16 +128,30 @@ def lm_head(
     tp_group: ProcessGroup,
     sequence_parallel: bool,
     vocab_size: int,
+    loss_chunk_size: int = 0,
 ) -> Tensor:
-    """``[s(/tp), b, h]`` -> per-token loss ``[b, s]`` with ``labels``, else logits ``[b, s, V_pad/tp]``."""
+    """``[s(/tp), b, h]`` -> per-token loss ``[b, s]`` with ``labels``, else logits ``[b, s, V_pad/tp]``.
+
+    ``loss_chunk_size`` > 0 computes the loss with
+    :func:`~mega_tp_layers.fused_linear_cross_entropy`, that many tokens at a time: the
+    same loss and gradients (to rounding) without the ``[s, b, V_pad/tp]`` logits, at the
+    cost of recomputing each chunk's logits in backward. 0: the output layer, then the loss.
+    """
     hidden = final_norm(hidden)
+    weight = output.weight if output is not None else tied_weight
+    assert weight is not None
+    if labels is not None and loss_chunk_size > 0:
+        loss = fused_linear_cross_entropy(
+            hidden, weight, labels.t(), tp_group, sequence_parallel=sequence_parallel,
+            chunk_size=loss_chunk_size, vocab_size=vocab_size,
+        )  # fmt: skip
+        return loss.t()  # [s, b] -> [b, s]
     logits: Tensor
     if output is not None:
         logits = output(hidden)  # [s(/tp), b, h] -> [s, b, V_pad/tp]
     else:
-        assert tied_weight is not None
         logits = column_parallel_linear(
-            hidden, tied_weight, tp_group=tp_group, sequence_parallel=sequence_parallel
+            hidden, weight, tp_group=tp_group, sequence_parallel=sequence_parallel
         )
     if labels is None:
         return logits.transpose(0, 1)  # [b, s, V_pad/tp]
