@@ -19,10 +19,11 @@ from test_gpt_training_layouts import (
     LR,
     SEQ,
     STEPS,
-    _chain,
+    _assert_matches,
     _full_weights,
     _micro,
     _overrides,
+    _reference_adamw,
     _world,
 )
 
@@ -31,7 +32,6 @@ from mega_models.doc_mask import DocumentPacking, loss_mask
 from mega_parallel_grid import init_process_groups
 from mega_parallel_grid.testing import (
     DistPool,
-    assert_close_to_reference,
     rank_device,
     solo_groups,
 )
@@ -64,13 +64,8 @@ def _reference(
     dev = rank_device()
     net = GPTModel(gpt, solo_groups(), seed=config.train.seed, device=dev)
     packing = DocumentPacking(EOD, True, True, True)
-    decay = [p for p in net.parameters() if p.dim() >= 2]
-    no_decay = [p for p in net.parameters() if p.dim() < 2]
     t = config.train
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=(t.beta1, t.beta2), eps=t.eps,
-    )  # fmt: skip
+    opt = _reference_adamw(net, t)
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -140,21 +135,7 @@ CASES = [
 def test_packed_training_matches_single_process(
     dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
 ) -> None:
-    ref_losses, ref_norms, ref_weights = dist_pool.run(_reference, 1, args=(model,))[0]
-    results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model))
-    forward, grad = _chain(model)
-    for losses, norms, _ in results:
-        assert_close_to_reference(
-            torch.tensor(losses), torch.tensor(ref_losses), reduction_length=forward, name="losses"
-        )
-        assert_close_to_reference(
-            torch.tensor(norms), torch.tensor(ref_norms), reduction_length=grad, name="grad norms"
-        )
-    merged: dict[str, torch.Tensor] = {}
-    for _, _, weights in results:
-        merged.update(weights)
-    assert set(merged) == set(ref_weights)
-    for name, value in merged.items():
-        assert_close_to_reference(
-            value, ref_weights[name], reduction_length=STEPS * grad, name=name
-        )
+    reference = dist_pool.run(_reference, 1, args=(model,))[0]
+    _assert_matches(
+        dist_pool.run(_parallel, _world(layout, dp), args=(layout, model)), reference, model
+    )

@@ -25,7 +25,7 @@ from mega_parallel_grid.testing import (
     solo_groups,
 )
 from mega_pretrain.build import build, gpt_config, parallel_config
-from mega_pretrain.config import load_config
+from mega_pretrain.config import TrainConfig, load_config
 from mega_pretrain.step import StepRunner
 
 STEPS, SEQ, MICRO, GLOBAL = 3, 16, 2, 8
@@ -91,6 +91,16 @@ def _full_weights(chunks: list[GPTModel]) -> dict[str, torch.Tensor]:
     return {name: t.float() for name, t in state.items()}
 
 
+def _reference_adamw(net: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+    """Plain AdamW with the trainer's groups: matrices decayed, vectors (norms, biases) not."""
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    no_decay = [p for p in net.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR, betas=(t.beta1, t.beta2), eps=t.eps,
+    )  # fmt: skip
+
+
 def _reference(
     model: dict[str, object],
 ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
@@ -98,13 +108,8 @@ def _reference(
     gpt = gpt_config(config)
     dev = rank_device()
     net = GPTModel(gpt, solo_groups(), seed=config.train.seed, device=dev)
-    decay = [p for n, p in net.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in net.named_parameters() if p.dim() < 2]
     t = config.train
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=(t.beta1, t.beta2), eps=t.eps,
-    )  # fmt: skip
+    opt = _reference_adamw(net, t)
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -150,8 +155,19 @@ def _parallel(
 def _check(
     dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
 ) -> None:
-    ref_losses, ref_norms, ref_weights = dist_pool.run(_reference, 1, args=(model,))[0]
-    results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model))
+    reference = dist_pool.run(_reference, 1, args=(model,))[0]
+    _assert_matches(
+        dist_pool.run(_parallel, _world(layout, dp), args=(layout, model)), reference, model
+    )
+
+
+Result = tuple[list[float], list[float], dict[str, torch.Tensor]]
+
+
+def _assert_matches(results: list[Result], reference: Result, model: dict[str, object]) -> None:
+    """Every rank's losses and grad norms, and the merged weights of its stages, equal the
+    reference's to the rounding of the model's reduction chains."""
+    ref_losses, ref_norms, ref_weights = reference
     forward, grad = _chain(model)
     for losses, norms, _ in results:  # every rank logs the same global-batch loss and norm
         assert_close_to_reference(
