@@ -63,6 +63,10 @@ class HybridConfig(GPTConfig):
     """``-A`` is drawn uniform in this range (stored as ``A_log = log(-A)``)."""
     mamba_conv_bias: bool = True
     """Bias in the depthwise convolution."""
+    ssd_kernel: str = "auto"
+    """The SSD scan's implementation: ``"triton"`` (the project's kernels,
+    ``mega_models.ssd_triton``), ``"torch"`` (``ssd_chunked``), or ``"auto"``: triton for
+    CUDA tensors when the triton package is installed, torch otherwise."""
 
     def __post_init__(self) -> None:
         for name in ("mamba_dt_limit", "mamba_a_init_range"):  # TOML and JSON give lists
@@ -145,6 +149,10 @@ class HybridConfig(GPTConfig):
         low, high = self.mamba_dt_limit
         if not 0.0 <= low < high:
             raise ValueError(f"mamba_dt_limit ({low}, {high}) must satisfy 0 <= low < high")
+        if self.ssd_kernel not in ("auto", "triton", "torch"):
+            raise ValueError(
+                f"ssd_kernel ({self.ssd_kernel!r}) must be 'auto', 'triton' or 'torch'"
+            )
         a_low, a_high = self.mamba_a_init_range
         if not 0.0 < a_low <= a_high:
             raise ValueError(f"mamba_a_init_range ({a_low}, {a_high}) must satisfy 0 < low <= high")

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from mega_models.hybrid_config import HybridConfig
 from mega_models.norms import Ones
 from mega_models.ssd import ssd_chunked
+from mega_models.ssd_triton import ssd_triton, triton_available
 from mega_parallel_grid import group_rank, group_size
 from mega_tp_layers import (
     INIT_ATTR,
@@ -103,6 +104,12 @@ class Mamba2Mixer(KeepsParamAttrs):
         self.conv_width, self.chunk_size = c.mamba_conv_width, c.mamba_chunk_size
         self.dt_limit, self.eps = c.mamba_dt_limit, c.norm_eps
         self.recompute_core = recompute_core
+        if c.ssd_kernel == "triton" and not triton_available():
+            raise ValueError(
+                "ssd_kernel 'triton' needs the triton package, which is not installed; "
+                "install triton or set ssd_kernel to 'auto' or 'torch'"
+            )
+        self.ssd_kernel = c.ssd_kernel
         meta = torch.device("meta")
         per_group = 2 * self.group_width + 2 * self.state_dim + self.heads_per_group
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
@@ -148,6 +155,10 @@ class Mamba2Mixer(KeepsParamAttrs):
         step = F.softplus(dt.to(work) + self.dt_bias.to(work))  # [s, b, heads]
         step = step.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
         A = -torch.exp(self.A_log.to(work))
+        if self.ssd_kernel == "triton" or (
+            self.ssd_kernel == "auto" and x.is_cuda and triton_available()
+        ):  # the kernels read x, B and C in their dtype and accumulate in fp32
+            return ssd_triton(x, step, A, B, C, self.chunk_size, D=self.D.to(work))
         xw = x.to(work)
         y = ssd_chunked(xw, step, A, B.to(work), C.to(work), self.chunk_size)
         y = y + xw * self.D.to(work)[:, None]

@@ -1,0 +1,305 @@
+# mypy: ignore-errors
+# (Triton ships no type information; the typed entry point is ``_function.py``.)
+"""Backward kernels of the chunked SSD scan (notation of ``_fwd.py``; ``dy`` the output
+gradient, ``dH_c`` the gradient of the state entering chunk ``c`` in total).
+
+* ``dstate_bwd``    what chunk ``c``'s outputs send to its entering state:
+                     ``sum_i exp(s_i) dy_i C_i^T``
+* ``state_pass_bwd`` back through ``H_{c+1} = exp(T_c) H_c + S_c``: ``dS_c = dH_{c+1}``,
+                     and ``<H_{c+1}, dH_{c+1}>``, the gradient of the chunk's end log-decay
+                     ``T_c`` (through both the carried state and the chunk state's weights)
+* ``dc_bwd``        ``dC`` per group, and per head ``dy_i . (y_i - D x_i)``, the gradient of
+                     ``s_i`` as the later end of every decay it closes
+* ``dx_bwd``        ``dx``, ``ddt``, and per chunk the partial sums of ``dA`` and ``dD``
+* ``db_bwd``        ``dB`` per group
+
+The gradient of ``s_k`` is ``dy_k . (y_k - D x_k) - dt_k x_k . u_k`` (plus ``<H_{c+1},
+dH_{c+1}>`` at the chunk's last step), with ``u_k`` what ``dx_k / dt_k`` collects; ``a``'s is
+its reverse running sum over the chunk, which gives ``ddt += A da`` and ``dA = sum dt da``.
+"""
+
+import triton
+import triton.language as tl
+
+from mega_models.ssd_triton._configs import configs
+
+
+@triton.autotune(configs=configs("state"), key=["Q", "P", "N"])
+@triton.jit
+def dstate_bwd(
+    dy_ptr, C_ptr, cum_ptr, dstates_ptr,
+    L, H, R, Q, P, N, n_chunks,
+    sy_l, sy_b, sy_h, sy_p,
+    sC_l, sC_b, sC_g, sC_n,
+    ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, batch, head): ``sum_i exp(s_i) dy_i C_i^T`` ``[p, n]``."""
+    c = tl.program_id(0)
+    bb = tl.program_id(1).to(tl.int64)
+    hh = tl.program_id(2)
+    g = hh // R
+    rt = tl.arange(0, BLOCK_T)
+    rp = tl.arange(0, BLOCK_P)
+    rn = tl.arange(0, BLOCK_N)
+    dy_base = dy_ptr + bb * sy_b + hh * sy_h
+    C_base = C_ptr + bb * sC_b + g * sC_g
+    cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=ACC)
+    for k in range(0, Q, BLOCK_T):
+        lt = k + rt
+        t = c * Q + lt
+        valid = (lt < Q) & (t < L)
+        s = tl.load(cum_base + lt, mask=lt < Q, other=0.0)
+        dy = tl.load(dy_base + t[:, None] * sy_l + rp[None, :] * sy_p,
+                     mask=valid[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        Ct = tl.load(C_base + t[:, None] * sC_l + rn[None, :] * sC_n,
+                     mask=valid[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+        dyw = (dy.to(ACC) * tl.exp(s)[:, None]).to(Ct.dtype)
+        acc = tl.dot(tl.trans(dyw), Ct, acc, out_dtype=ACC, input_precision=PREC)
+    out = dstates_ptr + ((bb * n_chunks + c) * H + hh) * P * N
+    tl.store(out + rp[:, None] * N + rn[None, :], acc, mask=(rp[:, None] < P) & (rn[None, :] < N))
+
+
+@triton.jit
+def state_pass_bwd(
+    states_ptr, final_ptr, dstates_ptr, cum_ptr, ends_ptr, H, Q, PN, n_chunks, n_blocks,
+    ACC: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Per (batch * head, slice of p*n), last chunk first: ``dstates`` (each chunk's own
+    ``dy`` term) becomes ``dS_c``, in place; ``ends[bh, slice, c]`` the slice's part of
+    ``<H_{c+1}, dH_{c+1}>``."""
+    bh = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    bb = bh // H
+    hh = bh % H
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < PN
+    grad = tl.zeros((BLOCK,), dtype=ACC)  # the final state has no gradient
+    later = tl.load(final_ptr + bh * PN + offs, mask=m, other=0.0)  # H_{c+1}
+    for i in range(0, n_chunks):
+        c = n_chunks - 1 - i
+        row = ((bb * n_chunks + c) * H + hh) * PN + offs
+        own = tl.load(dstates_ptr + row, mask=m, other=0.0)
+        tl.store(ends_ptr + (bh * n_blocks + blk) * n_chunks + c, tl.sum(later * grad, 0))
+        tl.store(dstates_ptr + row, grad, mask=m)
+        decay = tl.exp(tl.load(cum_ptr + bh * n_chunks * Q + c * Q + Q - 1))
+        grad = own + decay * grad
+        later = tl.load(states_ptr + row, mask=m, other=0.0)
+
+
+@triton.autotune(configs=configs("dbc"), key=["Q", "P", "N", "R"])
+@triton.jit
+def dc_bwd(
+    x_ptr, dt_ptr, B_ptr, C_ptr, dy_ptr, states_ptr, cum_ptr, dC_ptr, rows_ptr,
+    L, H, R, Q, P, N, n_chunks,
+    sx_l, sx_b, sx_h, sx_p,
+    sdt_l, sdt_b, sdt_h,
+    sB_l, sB_b, sB_g, sB_n,
+    sC_l, sC_b, sC_g, sC_n,
+    sy_l, sy_b, sy_h, sy_p,
+    sdC_l, sdC_b, sdC_g, sdC_n,
+    ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk * batch, group, block of steps i), over the group's heads:
+    ``dC_i = sum_h [exp(s_i) dy_i H_c + sum_{j<=i} exp(s_i - s_j) dt_j (dy_i . x_j) B_j]``;
+    per head ``rows[b, h, i] = dy_i . (y_i - D x_i)``."""
+    c = tl.program_id(0) % n_chunks
+    bb = (tl.program_id(0) // n_chunks).to(tl.int64)
+    g = tl.program_id(1)
+    rp = tl.arange(0, BLOCK_P)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    li = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ti = c * Q + li
+    vi = (li < Q) & (ti < L)
+    C_base = C_ptr + bb * sC_b + g * sC_g
+    B_base = B_ptr + bb * sB_b + g * sB_g
+    Ci = tl.load(C_base + ti[:, None] * sC_l + rn[None, :] * sC_n,
+                 mask=vi[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+    end = tl.minimum((tl.program_id(2) + 1) * BLOCK_M, Q)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for r in range(0, R):
+        hh = g * R + r
+        cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
+        s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
+        dyi = tl.load(dy_ptr + bb * sy_b + hh * sy_h + ti[:, None] * sy_l + rp[None, :] * sy_p,
+                      mask=vi[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        st = states_ptr + ((bb * n_chunks + c) * H + hh) * P * N
+        Hc = tl.load(st + rp[:, None] * N + rn[None, :],
+                     mask=(rp[:, None] < P) & (rn[None, :] < N), other=0.0)  # [P, N]  # fmt: skip
+        entering = (
+            tl.dot(dyi, Hc.to(dyi.dtype), out_dtype=ACC, input_precision=PREC)
+            * tl.exp(s_i)[:, None]
+        )  # [M, N]
+        acc += entering
+        row = tl.sum(entering * Ci.to(ACC), 1)  # dy_i . (exp(s_i) H_c C_i)
+        x_base = x_ptr + bb * sx_b + hh * sx_h
+        dt_base = dt_ptr + bb * sdt_b + hh * sdt_h
+        for k in range(0, end, BLOCK_K):
+            lj = k + rk
+            tj = c * Q + lj
+            vj = (lj < Q) & (tj < L)
+            xj = tl.load(x_base + tj[:, None] * sx_l + rp[None, :] * sx_p,
+                         mask=vj[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+            Bj = tl.load(B_base + tj[:, None] * sB_l + rn[None, :] * sB_n,
+                         mask=vj[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+            s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
+            dt_j = tl.load(dt_base + tj * sdt_l, mask=vj, other=0.0).to(ACC)
+            causal = li[:, None] >= lj[None, :]
+            decay = tl.exp(tl.where(causal, s_i[:, None] - s_j[None, :], float("-inf")))
+            w = (
+                tl.dot(dyi, tl.trans(xj), out_dtype=ACC, input_precision=PREC)
+                * decay
+                * dt_j[None, :]
+            )  # [M, K]
+            acc = tl.dot(w.to(Bj.dtype), Bj, acc, out_dtype=ACC, input_precision=PREC)
+            scores = tl.dot(Ci, tl.trans(Bj), out_dtype=ACC, input_precision=PREC)
+            row += tl.sum(w * scores, 1)  # dy_i . (intra-chunk part of y_i)
+        tl.store(rows_ptr + (bb * H + hh) * n_chunks * Q + c * Q + li, row, mask=li < Q)
+    tl.store(dC_ptr + bb * sdC_b + g * sdC_g + ti[:, None] * sdC_l + rn[None, :] * sdC_n,
+             acc.to(dC_ptr.dtype.element_ty), mask=vi[:, None] & (rn[None, :] < N))  # fmt: skip
+
+
+@triton.autotune(configs=configs("dx"), key=["Q", "P", "N"])
+@triton.jit
+def dx_bwd(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dy_ptr, dstates_ptr, cum_ptr, ends_ptr, rows_ptr,
+    dx_ptr, ddt_ptr, dA_ptr, dD_ptr,
+    L, H, R, Q, P, N, n_chunks,
+    sx_l, sx_b, sx_h, sx_p,
+    sdt_l, sdt_b, sdt_h,
+    sB_l, sB_b, sB_g, sB_n,
+    sC_l, sC_b, sC_g, sC_n,
+    sy_l, sy_b, sy_h, sy_p,
+    sdx_l, sdx_b, sdx_h, sdx_p,
+    sddt_l, sddt_b, sddt_h,
+    HAS_D: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, batch, head), the whole chunk's steps j at once:
+    ``u_j = exp(T - s_j) dS_c B_j + sum_{i>=j} exp(s_i - s_j) (B_j . C_i) dy_i``,
+    ``dx_j = dt_j u_j + D dy_j``, ``ddt_j = x_j . u_j + A da_j``; ``dA``, ``dD`` partials."""
+    c = tl.program_id(0)
+    bb = tl.program_id(1).to(tl.int64)
+    hh = tl.program_id(2)
+    g = hh // R
+    rp = tl.arange(0, BLOCK_P)
+    rn = tl.arange(0, BLOCK_N)
+    lj = tl.arange(0, BLOCK_Q)
+    tj = c * Q + lj
+    vj = (lj < Q) & (tj < L)
+    mj = vj[:, None] & (rp[None, :] < P)
+    cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
+    s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
+    total = tl.load(cum_base + Q - 1)
+    B_base = B_ptr + bb * sB_b + g * sB_g
+    C_base = C_ptr + bb * sC_b + g * sC_g
+    dy_base = dy_ptr + bb * sy_b + hh * sy_h
+    Bj = tl.load(B_base + tj[:, None] * sB_l + rn[None, :] * sB_n,
+                 mask=vj[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+    st = dstates_ptr + ((bb * n_chunks + c) * H + hh) * P * N
+    dS = tl.load(st + rp[None, :] * N + rn[:, None],
+                 mask=(rp[None, :] < P) & (rn[:, None] < N), other=0.0)  # [N, P]  # fmt: skip
+    u = (
+        tl.dot(Bj, dS.to(Bj.dtype), out_dtype=ACC, input_precision=PREC)
+        * tl.exp(total - s_j)[:, None]
+    )  # [Q, P]
+    ri = tl.arange(0, BLOCK_I)
+    for k in range(0, Q, BLOCK_I):
+        li = k + ri
+        ti = c * Q + li
+        vi = (li < Q) & (ti < L)
+        Ci = tl.load(C_base + ti[:, None] * sC_l + rn[None, :] * sC_n,
+                     mask=vi[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+        dyi = tl.load(dy_base + ti[:, None] * sy_l + rp[None, :] * sy_p,
+                      mask=vi[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
+        causal = li[None, :] >= lj[:, None]
+        decay = tl.exp(tl.where(causal, s_i[None, :] - s_j[:, None], float("-inf")))
+        w = tl.dot(Bj, tl.trans(Ci), out_dtype=ACC, input_precision=PREC) * decay  # [Q, I]
+        u = tl.dot(w.to(dyi.dtype), dyi, u, out_dtype=ACC, input_precision=PREC)
+    x = tl.load(x_ptr + bb * sx_b + hh * sx_h + tj[:, None] * sx_l + rp[None, :] * sx_p,
+                mask=mj, other=0.0).to(ACC)  # fmt: skip
+    dt = tl.load(dt_ptr + bb * sdt_b + hh * sdt_h + tj * sdt_l, mask=vj, other=0.0).to(ACC)
+    dy = tl.load(dy_base + tj[:, None] * sy_l + rp[None, :] * sy_p, mask=mj, other=0.0).to(ACC)
+    dx = u * dt[:, None]
+    if HAS_D:
+        dx += tl.load(D_ptr + hh).to(ACC) * dy
+        tl.store(dD_ptr + (bb * n_chunks + c) * H + hh, tl.sum(tl.sum(dy * x, 1), 0))
+    tl.store(dx_ptr + bb * sdx_b + hh * sdx_h + tj[:, None] * sdx_l + rp[None, :] * sdx_p,
+             dx.to(dx_ptr.dtype.element_ty), mask=mj)  # fmt: skip
+    direct = tl.sum(u * x, 1)  # [Q]
+    rows = tl.load(rows_ptr + (bb * H + hh) * n_chunks * Q + c * Q + lj, mask=lj < Q, other=0.0)
+    end_grad = tl.load(ends_ptr + (bb * H + hh) * n_chunks + c)
+    dcum = rows - dt * direct + tl.where(lj == Q - 1, end_grad, 0.0)
+    da = tl.cumsum(dcum, 0, reverse=True)
+    a_h = tl.load(A_ptr + hh).to(ACC)
+    tl.store(ddt_ptr + bb * sddt_b + hh * sddt_h + tj * sddt_l,
+             (direct + a_h * da).to(ddt_ptr.dtype.element_ty), mask=vj)  # fmt: skip
+    tl.store(dA_ptr + (bb * n_chunks + c) * H + hh, tl.sum(da * dt, 0))
+
+
+@triton.autotune(configs=configs("dbc"), key=["Q", "P", "N", "R"])
+@triton.jit
+def db_bwd(
+    x_ptr, dt_ptr, C_ptr, dy_ptr, dstates_ptr, cum_ptr, dB_ptr,
+    L, H, R, Q, P, N, n_chunks,
+    sx_l, sx_b, sx_h, sx_p,
+    sdt_l, sdt_b, sdt_h,
+    sC_l, sC_b, sC_g, sC_n,
+    sy_l, sy_b, sy_h, sy_p,
+    sdB_l, sdB_b, sdB_g, sdB_n,
+    ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk * batch, group, block of steps j), over the group's heads:
+    ``dB_j = sum_h dt_j [exp(T - s_j) x_j dS_c + sum_{i>=j} exp(s_i - s_j) (dy_i . x_j) C_i]``."""
+    c = tl.program_id(0) % n_chunks
+    bb = (tl.program_id(0) // n_chunks).to(tl.int64)
+    g = tl.program_id(1)
+    rp = tl.arange(0, BLOCK_P)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    start = tl.program_id(2) * BLOCK_M
+    lj = start + tl.arange(0, BLOCK_M)
+    tj = c * Q + lj
+    vj = (lj < Q) & (tj < L)
+    C_base = C_ptr + bb * sC_b + g * sC_g
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for r in range(0, R):
+        hh = g * R + r
+        cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
+        s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
+        total = tl.load(cum_base + Q - 1)
+        dt_j = tl.load(dt_ptr + bb * sdt_b + hh * sdt_h + tj * sdt_l, mask=vj, other=0.0).to(ACC)
+        xj = tl.load(x_ptr + bb * sx_b + hh * sx_h + tj[:, None] * sx_l + rp[None, :] * sx_p,
+                     mask=vj[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        st = dstates_ptr + ((bb * n_chunks + c) * H + hh) * P * N
+        dS = tl.load(st + rp[:, None] * N + rn[None, :],
+                     mask=(rp[:, None] < P) & (rn[None, :] < N), other=0.0)  # [P, N]  # fmt: skip
+        head = (
+            tl.dot(xj, dS.to(xj.dtype), out_dtype=ACC, input_precision=PREC)
+            * tl.exp(total - s_j)[:, None]
+        )
+        dy_base = dy_ptr + bb * sy_b + hh * sy_h
+        for k in range(start, Q, BLOCK_K):
+            li = k + rk
+            ti = c * Q + li
+            vi = (li < Q) & (ti < L)
+            dyi = tl.load(dy_base + ti[:, None] * sy_l + rp[None, :] * sy_p,
+                          mask=vi[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+            Ci = tl.load(C_base + ti[:, None] * sC_l + rn[None, :] * sC_n,
+                         mask=vi[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+            s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
+            causal = li[None, :] >= lj[:, None]
+            decay = tl.exp(tl.where(causal, s_i[None, :] - s_j[:, None], float("-inf")))
+            w = (
+                tl.dot(xj, tl.trans(dyi), out_dtype=ACC, input_precision=PREC) * decay
+            )  # [M, K]: (dy_i . x_j)
+            head = tl.dot(w.to(Ci.dtype), Ci, head, out_dtype=ACC, input_precision=PREC)
+        acc += head * dt_j[:, None]
+    tl.store(dB_ptr + bb * sdB_b + g * sdB_g + tj[:, None] * sdB_l + rn[None, :] * sdB_n,
+             acc.to(dB_ptr.dtype.element_ty), mask=vj[:, None] & (rn[None, :] < N))  # fmt: skip

@@ -1,0 +1,161 @@
+# mypy: ignore-errors
+# (Triton ships no type information; the typed entry point is ``_function.py``.)
+"""Forward kernels of the chunked SSD scan.
+
+Notation (one batch row ``b``, one head ``h`` of group ``g``, one chunk ``c`` of ``Q`` steps):
+``a_t = dt_t A_h``; ``s_t`` the running sum of ``a`` inside the chunk (inclusive);
+``T_c = s_{Q-1}`` the whole chunk's log-decay. Then
+
+* chunk state  ``S_c = sum_t exp(T_c - s_t) dt_t x_t B_t^T``           ``[p, n]``
+* entering     ``H_0 = 0``, ``H_{c+1} = exp(T_c) H_c + S_c``
+* output       ``y_i = exp(s_i) H_c C_i + sum_{j<=i} exp(s_i - s_j) (C_i . B_j) dt_j x_j + D x_i``
+
+Positions past the sequence end (the last chunk's tail) read as zero input with zero ``dt``,
+so they neither decay nor feed anything. Accumulation is in ``ACC`` (fp32, or fp64 for fp64
+inputs); matmul operands are in the inputs' dtype.
+"""
+
+import triton
+import triton.language as tl
+
+from mega_models.ssd_triton._configs import configs
+
+
+@triton.autotune(configs=configs("state"), key=["Q", "P", "N"])
+@triton.jit
+def chunk_state_fwd(
+    x_ptr, dt_ptr, A_ptr, B_ptr, states_ptr, cum_ptr,
+    L, H, R, Q, P, N, n_chunks,
+    sx_l, sx_b, sx_h, sx_p,
+    sdt_l, sdt_b, sdt_h,
+    sB_l, sB_b, sB_g, sB_n,
+    ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, batch, head): the running log-decay ``s`` (stored) and ``S_c`` (stored)."""
+    c = tl.program_id(0)
+    bb = tl.program_id(1).to(tl.int64)
+    hh = tl.program_id(2)
+    g = hh // R
+    a_h = tl.load(A_ptr + hh).to(ACC)
+    rt = tl.arange(0, BLOCK_T)
+    rp = tl.arange(0, BLOCK_P)
+    rn = tl.arange(0, BLOCK_N)
+    dt_base = dt_ptr + bb * sdt_b + hh * sdt_h
+    # the whole chunk's log-decay first: each step's weight is exp(T - s_t)
+    total = tl.zeros((BLOCK_T,), dtype=ACC)
+    for k in range(0, Q, BLOCK_T):
+        lt = k + rt
+        t = c * Q + lt
+        dt = tl.load(dt_base + t * sdt_l, mask=(lt < Q) & (t < L), other=0.0).to(ACC)
+        total += dt * a_h
+    chunk_total = tl.sum(total, 0)
+    x_base = x_ptr + bb * sx_b + hh * sx_h
+    B_base = B_ptr + bb * sB_b + g * sB_g
+    cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=ACC)
+    offset = tl.zeros((), dtype=ACC)
+    for k in range(0, Q, BLOCK_T):
+        lt = k + rt
+        t = c * Q + lt
+        valid = (lt < Q) & (t < L)
+        dt = tl.load(dt_base + t * sdt_l, mask=valid, other=0.0).to(ACC)
+        s = tl.cumsum(dt * a_h, 0) + offset
+        offset += tl.sum(dt * a_h, 0)
+        tl.store(cum_base + lt, s, mask=lt < Q)
+        x = tl.load(x_base + t[:, None] * sx_l + rp[None, :] * sx_p,
+                    mask=valid[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        Bt = tl.load(B_base + t[:, None] * sB_l + rn[None, :] * sB_n,
+                     mask=valid[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+        w = tl.exp(chunk_total - s) * dt  # [T]
+        xw = (x.to(ACC) * w[:, None]).to(Bt.dtype)
+        acc = tl.dot(tl.trans(xw), Bt, acc, out_dtype=ACC, input_precision=PREC)  # [P, T] @ [T, N]
+    out = states_ptr + ((bb * n_chunks + c) * H + hh) * P * N
+    tl.store(out + rp[:, None] * N + rn[None, :], acc, mask=(rp[:, None] < P) & (rn[None, :] < N))
+
+
+@triton.jit
+def state_pass_fwd(
+    states_ptr, cum_ptr, final_ptr, H, Q, PN, n_chunks,
+    ACC: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Per (batch * head, slice of p*n): chunk states -> entering states, in place; the final
+    state to ``final``."""
+    bh = tl.program_id(0).to(tl.int64)
+    bb = bh // H
+    hh = bh % H
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < PN
+    state = tl.zeros((BLOCK,), dtype=ACC)
+    for c in range(0, n_chunks):
+        ptr = states_ptr + ((bb * n_chunks + c) * H + hh) * PN + offs
+        own = tl.load(ptr, mask=m, other=0.0)
+        tl.store(ptr, state, mask=m)
+        decay = tl.exp(tl.load(cum_ptr + bh * n_chunks * Q + c * Q + Q - 1))
+        state = decay * state + own
+    tl.store(final_ptr + bh * PN + offs, state, mask=m)
+
+
+@triton.autotune(configs=configs("scan"), key=["Q", "P", "N"])
+@triton.jit
+def chunk_scan_fwd(
+    x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, y_ptr, states_ptr, cum_ptr,
+    L, H, R, Q, P, N, n_chunks,
+    sx_l, sx_b, sx_h, sx_p,
+    sdt_l, sdt_b, sdt_h,
+    sB_l, sB_b, sB_g, sB_n,
+    sC_l, sC_b, sC_g, sC_n,
+    sy_l, sy_b, sy_h, sy_p,
+    HAS_D: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk * batch, head, block of output steps): ``y``."""
+    c = tl.program_id(0) % n_chunks
+    bb = (tl.program_id(0) // n_chunks).to(tl.int64)
+    hh = tl.program_id(1)
+    g = hh // R
+    rp = tl.arange(0, BLOCK_P)
+    rn = tl.arange(0, BLOCK_N)
+    li = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ti = c * Q + li
+    vi = (li < Q) & (ti < L)
+    cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
+    s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
+    C_base = C_ptr + bb * sC_b + g * sC_g
+    Ci = tl.load(C_base + ti[:, None] * sC_l + rn[None, :] * sC_n,
+                 mask=vi[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+    # the entering state's part: exp(s_i) C_i H_c^T
+    st = states_ptr + ((bb * n_chunks + c) * H + hh) * P * N
+    Hc = tl.load(st + rp[None, :] * N + rn[:, None],
+                 mask=(rp[None, :] < P) & (rn[:, None] < N), other=0.0)  # [N, P]  # fmt: skip
+    acc = (
+        tl.dot(Ci, Hc.to(Ci.dtype), out_dtype=ACC, input_precision=PREC) * tl.exp(s_i)[:, None]
+    )  # [M, P]
+    x_base = x_ptr + bb * sx_b + hh * sx_h
+    dt_base = dt_ptr + bb * sdt_b + hh * sdt_h
+    B_base = B_ptr + bb * sB_b + g * sB_g
+    rk = tl.arange(0, BLOCK_K)
+    end = tl.minimum((tl.program_id(2) + 1) * BLOCK_M, Q)
+    for k in range(0, end, BLOCK_K):
+        lj = k + rk
+        tj = c * Q + lj
+        vj = (lj < Q) & (tj < L)
+        Bj = tl.load(B_base + tj[:, None] * sB_l + rn[None, :] * sB_n,
+                     mask=vj[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+        s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
+        dt_j = tl.load(dt_base + tj * sdt_l, mask=vj, other=0.0).to(ACC)
+        scores = tl.dot(Ci, tl.trans(Bj), out_dtype=ACC, input_precision=PREC)  # [M, K]
+        causal = li[:, None] >= lj[None, :]
+        decay = tl.exp(tl.where(causal, s_i[:, None] - s_j[None, :], float("-inf")))
+        xj = tl.load(x_base + tj[:, None] * sx_l + rp[None, :] * sx_p,
+                     mask=vj[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        w = (scores * decay * dt_j[None, :]).to(xj.dtype)
+        acc = tl.dot(w, xj, acc, out_dtype=ACC, input_precision=PREC)
+    mask = vi[:, None] & (rp[None, :] < P)
+    if HAS_D:
+        xi = tl.load(x_base + ti[:, None] * sx_l + rp[None, :] * sx_p, mask=mask, other=0.0)
+        acc += tl.load(D_ptr + hh).to(ACC) * xi.to(ACC)
+    y_base = y_ptr + bb * sy_b + hh * sy_h
+    tl.store(y_base + ti[:, None] * sy_l + rp[None, :] * sy_p, acc.to(y_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
