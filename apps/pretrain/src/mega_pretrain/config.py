@@ -178,6 +178,11 @@ class TrainConfig:
     log_interval: int = 10
     """Steps between log lines (where the loss is read on the host; bench/NOTES.md lists the
     other per-step host reads)."""
+    timing_sync: bool = False
+    """Synchronize the GPU at the end of each phase of a step (data, forward-backward,
+    optimizer, checkpoint), so that the logged time breakdown (``data_ms``, ``fwd_bwd_ms``,
+    ...) is exact; off, the phases are timed on the host clock and their split is
+    approximate under asynchronous CUDA (the interval's total is exact either way)."""
     eval_interval: int = 100
     """Steps between evaluations on the validation split (0 disables)."""
     eval_steps: int = 4

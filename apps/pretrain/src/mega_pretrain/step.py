@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -21,6 +21,7 @@ from mega_pipeline import (
     get_forward_backward_func,
 )
 from mega_pretrain.build import Built
+from mega_pretrain.phase_timer import PhaseTimer
 from mega_tp_layers import defer_weight_grads
 from mega_zero_optim import StepResult
 
@@ -28,6 +29,10 @@ __all__ = ["Microbatch", "StepRunner"]
 
 #: One micro-batch: ``(tokens, labels)``, each ``[micro_batch, seq_len]`` int64.
 Microbatch = tuple[Tensor, Tensor]
+
+
+def _untimed(_: str) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 class StepRunner:
@@ -159,8 +164,13 @@ class StepRunner:
         share = count / (len(batches) * self.groups.size("dp"))
         return [(tokens, labels, share) for tokens, labels in batches]
 
-    def train_step(self, batches: Sequence[Microbatch], lr: float) -> tuple[Tensor, StepResult]:
-        """Forward, backward and optimizer step; returns the mean loss (a device tensor)."""
+    def train_step(
+        self, batches: Sequence[Microbatch], lr: float, *, timer: PhaseTimer | None = None
+    ) -> tuple[Tensor, StepResult]:
+        """Forward, backward and optimizer step; returns the mean loss (a device tensor).
+        ``timer`` times the schedule as ``fwd_bwd`` and the rest (gradient sync, clip, step)
+        as ``optim``."""
+        phase = timer.phase if timer is not None else _untimed
         optimizer = self.built.optimizer
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -171,13 +181,15 @@ class StepRunner:
             ddp.zero_grad_buffer()
         for chunk in self.built.chunks:
             chunk.train()
-        loss = self._run(batches, forward_only=False)
-        for ddp in self.built.ddps:
-            ddp.finish_grad_sync()
-        finalize_model_grads(self.built.chunks, self.groups)
-        result = optimizer.step()
-        if self.moe_layers:  # every tp x dp x cp replica of a router sees the same summed load
-            update_expert_biases(self.model, self.groups.tp_dp_cp)
+        with phase("fwd_bwd"):
+            loss = self._run(batches, forward_only=False)
+        with phase("optim"):
+            for ddp in self.built.ddps:
+                ddp.finish_grad_sync()
+            finalize_model_grads(self.built.chunks, self.groups)
+            result = optimizer.step()
+            if self.moe_layers:  # every tp x dp x cp replica of a router sees the same load
+                update_expert_biases(self.model, self.groups.tp_dp_cp)
         return loss, result
 
     @torch.no_grad()

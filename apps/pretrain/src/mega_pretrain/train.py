@@ -45,6 +45,7 @@ from mega_pretrain.errors import TrainingError
 from mega_pretrain.metrics import MetricsLogger, peak_tflops
 from mega_pretrain.moe_logging import moe_log_values
 from mega_pretrain.mtp_logging import mtp_log_values
+from mega_pretrain.phase_timer import PhaseTimer, breakdown_text
 from mega_pretrain.progress import LiveProgress
 from mega_pretrain.runtime import (
     collective_timeout,
@@ -198,23 +199,27 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     _warn_if_no_evaluation(valid_set, config, dp, console)
     window_start, window_steps, run_start = time.perf_counter(), 0, time.perf_counter()
     live = LiveProgress(console, t.steps, step)
+    timer = PhaseTimer(device, sync=t.timing_sync)  # ms per step of each phase, per interval
 
     saver = CheckpointSaver(run_dir, built, groups, config.checkpoint, device=device,
                             timeout=timeout, say=lambda line: console.print(line, markup=False))  # fmt: skip
 
     def save(step: int, consumed: int) -> Path:
-        return saver.save(step, _state(config, step, consumed))
+        with timer.phase("ckpt"):
+            return saver.save(step, _state(config, step, consumed))
 
     try:
         live.__enter__()
         while step < t.steps:
-            saver.step_begins(step + 1)  # commits a finished background save
+            with timer.phase("ckpt"):
+                saver.step_begins(step + 1)  # commits a finished background save
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup,
                        total_steps=t.steps, decay=t.decay, wsd_decay_fraction=t.wsd_decay_fraction)  # fmt: skip
-            batches = _microbatches(train_set, sampler, plan.microbatches)
+            with timer.phase("data"):
+                batches = _microbatches(train_set, sampler, plan.microbatches)
             skipped = False
             try:
-                loss, result = runner.train_step(batches, lr)
+                loss, result = runner.train_step(batches, lr, timer=timer)
             except FloatingPointError as exc:
                 # the trainer numbers the steps: the optimizer's own "step N: " is dropped
                 why = f"step {step + 1}: {_STEP_PREFIX.sub('', str(exc), count=1)}"
@@ -238,7 +243,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                 tflops = tok_s * flops_token / world / 1e12
                 record = {"loss": value, "lr": lr, "grad_norm": float(result.grad_norm or 0.0),
                           "tokens_per_s": tok_s, "tflops_per_gpu": tflops,
-                          "step_ms": 1e3 * elapsed / window_steps}  # fmt: skip
+                          "step_ms": 1e3 * elapsed / window_steps,
+                          **timer.take(window_steps)}  # fmt: skip
                 if peak:
                     record["mfu"] = tflops / peak
                 if device.type == "cuda":
@@ -255,7 +261,8 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                     mfu += f"  mtp {record['mtp_loss']:.4f}"
                 console.print(
                     f"step {step:>6}/{t.steps}  loss {value:7.4f}  lr {lr:.2e}  "
-                    f"grad {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s{mfu}  eta {eta:5.0f}s"
+                    f"grad {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s{mfu}  "
+                    f"{breakdown_text(record)}  eta {eta:5.0f}s"
                 )
                 live.advance(step, f"loss {value:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s{mfu}")
                 window_start, window_steps = time.perf_counter(), 0
