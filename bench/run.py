@@ -73,6 +73,8 @@ SUITES: dict[str, Suite] = {
         ("mega compile fp8", 180, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8"),
     ],
     "hybrid": [("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile")],
+    # the SSD scan alone at hybrid-1b's mixer shape: ssd_triton beside ssd_chunked and mamba_ssm
+    "ssd": [("ssd kernels", 400, "python3 bench/ssd_kernels.py")],
     # the 2026 families (issue 19): compiled, bf16 and bf16 + FP8 GEMMs
     "families19": [
         (f"{size} compile{' fp8' if fp8 else ''}", 300,
@@ -134,6 +136,15 @@ SUITES: dict[str, Suite] = {
             for mode in ("default", "reduce-overhead")
         ],
         ("graphs test", 200, "python3 -m pytest -q apps/pretrain/tests/test_compile_mode.py"),
+    ],
+    # issue 22 target 6: today's head vs the fused linear + cross-entropy (train.loss_chunk_size),
+    # alone at vocab 32k and 128k, then in the 1b-bench step
+    "linear-ce": [
+        ("linear-ce eager", 400, "python3 bench/linear_ce.py"),
+        ("linear-ce compile", 500, "python3 bench/linear_ce.py --compile"),
+        ("mega compile", 180, f"{_STEP} --size 1b-bench --mb 8 --compile"),
+        ("mega compile fused ce", 180, f"{_STEP} --size 1b-bench --mb 8 --compile "
+                                       "--set train.loss_chunk_size=4096"),
     ],
     # the contract tests again on the GPU with NCCL (the pool uses NCCL when GPUs are visible)
     "gpu-tests": [
