@@ -73,8 +73,6 @@ SUITES: dict[str, Suite] = {
         ("mega compile fp8", 180, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8"),
     ],
     "hybrid": [("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile")],
-    # the SSD scan alone at hybrid-1b's mixer shape: ssd_triton beside ssd_chunked and mamba_ssm
-    "ssd": [("ssd kernels", 400, "python3 bench/ssd_kernels.py")],
     # the 2026 families (issue 19): compiled, bf16 and bf16 + FP8 GEMMs
     "families19": [
         (f"{size} compile{' fp8' if fp8 else ''}", 300,
