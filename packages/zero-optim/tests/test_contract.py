@@ -77,6 +77,7 @@ class Case:
     sharding: str = "optimizer"
     sync_each_micro: bool = False  # no no_sync(): every microbatch reduce-scatters
     prefetch: int = 1
+    dp_shard: int | None = None  # HSDP: shard over this many dp ranks, replicate across
 
 
 CASES = {
@@ -111,6 +112,15 @@ for _stage in ("gradients", "parameters"):
         CASES[f"{_stage}_{_name}"] = replace(_case, sharding=_stage)
 CASES["parameters_no_prefetch"] = Case(sharding="parameters", prefetch=0, bucket_size=300)
 CASES["parameters_prefetch_2"] = Case(sharding="parameters", prefetch=2, bucket_size=300)
+# HSDP at dp 4: shard 2 x replicate 2, and the two ends (shard 4 = plain ZeRO, shard 1 =
+# plain DDP with every rank a replica); 3 AdamW steps with clipping active, straddling
+# buckets, two microbatches
+_HSDP = Case(steps=3, max_grad_norm=0.05, bucket_size=300, microbatches=2)
+for _stage in ("optimizer", "gradients", "parameters"):
+    for _shard in (1, 2, 4):
+        CASES[f"hsdp{_shard}x{4 // _shard}_{_stage}"] = replace(
+            _HSDP, sharding=_stage, dp_shard=_shard
+        )
 
 
 def _make_optimizer(kind: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -135,9 +145,10 @@ def _batch(step: int, micro: int, device: torch.device) -> tuple[torch.Tensor, .
 
 
 def _reference(
-    case: Case, dp: int, device: torch.device, steps: range
+    case: Case, dp: int, device: torch.device, steps: range, losses: list[float] | None = None
 ) -> tuple[nn.Module, list[float]]:
-    """Single-process training on the concatenated batches; returns the model and grad norms."""
+    """Single-process training on the concatenated batches; returns the model and grad norms
+    (and appends each step's loss to ``losses``)."""
     torch.manual_seed(0)
     net = _Net(tied=case.tied, frozen=case.frozen, side=case.side).to(device)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -147,10 +158,14 @@ def _reference(
     norms = []
     for step in steps:
         opt.zero_grad(set_to_none=False)
+        total = 0.0
         for m in range(case.microbatches):
             x, y = _batch(step, m, device)
             loss = F.mse_loss(net(x, use_side=step % 2 == 0), y) / case.microbatches
             (loss * (dp if case.grad_reduce == "sum" else 1)).backward()
+            total += float(loss)
+        if losses is not None:
+            losses.append(total)
         grads = [p.grad for p in params if p.grad is not None]
         norms.append(float(torch.nn.utils.get_total_norm(grads)))
         if case.max_grad_norm is not None:
@@ -162,12 +177,13 @@ def _reference(
 def _build(
     case: Case, device: torch.device
 ) -> tuple[DistributedDataParallel, DistributedOptimizer]:
-    groups = init_process_groups(ParallelConfig())
+    groups = init_process_groups(ParallelConfig(dp_shard=case.dp_shard))
     torch.manual_seed(0)
     net = _Net(tied=case.tied, frozen=case.frozen, side=case.side).to(device)
     ddp = DistributedDataParallel(
         net,
-        dp_group=groups.dp,
+        dp_group=groups.dp if case.dp_shard is None else groups.dp_shard,
+        replicate_group=None if case.dp_shard is None else groups.dp_replicate,
         bucket_size=case.bucket_size,
         overlap_grad_reduce=case.overlap_grad_reduce,
         use_distributed_optimizer=case.use_distributed_optimizer,
@@ -184,21 +200,39 @@ def _build(
     return ddp, opt
 
 
+def _dp_rank_and_size(ddp: DistributedDataParallel) -> tuple[int, int]:
+    """This rank's place among all data-parallel ranks (HSDP: shard rank fastest)."""
+    rank = torch.distributed.get_rank(ddp.dp_group)
+    if ddp.replicate_group is not None:
+        rank += ddp.dp_size * torch.distributed.get_rank(ddp.replicate_group)
+    return rank, ddp.dp_size * ddp.replicate_size
+
+
 def _train(
-    case: Case, ddp: DistributedDataParallel, opt: DistributedOptimizer, steps: range
+    case: Case,
+    ddp: DistributedDataParallel,
+    opt: DistributedOptimizer,
+    steps: range,
+    losses: list[float] | None = None,
 ) -> list[float]:
-    dp, rank = ddp.dp_size, torch.distributed.get_rank(ddp.dp_group)
+    rank, dp = _dp_rank_and_size(ddp)
     per_rank = BATCH // dp
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     norms = []
     for step in steps:
         opt.zero_grad()
+        total = torch.zeros((), device=rank_device())
         for m in range(case.microbatches):
             last = m == case.microbatches - 1
             with nullcontext() if last or case.sync_each_micro else ddp.no_sync():
                 x, y = _batch(step, m, rank_device())
                 out = ddp(x[mine], use_side=step % 2 == 0)
-                (F.mse_loss(out, y[mine]) / case.microbatches).backward()
+                loss = F.mse_loss(out, y[mine]) / case.microbatches
+                loss.backward()
+                total += loss.detach()
+        if losses is not None:  # the global batch's loss: the mean of the ranks' means
+            torch.distributed.all_reduce(total)
+            losses.append(float(total) / dp)
         result = opt.step()
         assert result.updated
         norms.append(result.grad_norm)
@@ -220,11 +254,19 @@ def _check_case(name: str) -> float:
     case = CASES[name]
     ddp, opt = _build(case, rank_device())
     steps = range(case.steps)
-    norms = _train(case, ddp, opt, steps)
-    ref, ref_norms = _reference(case, ddp.dp_size, rank_device(), steps)
+    losses: list[float] = []
+    ref_losses: list[float] = []
+    norms = _train(case, ddp, opt, steps, losses)
+    dp = _dp_rank_and_size(ddp)[1]
+    ref, ref_norms = _reference(case, dp, rank_device(), steps, ref_losses)
     assert_close_to_reference(
         torch.tensor(norms), torch.tensor(ref_norms), reduction_length=N, name="grad norms"
     )
+    assert_close_to_reference(
+        torch.tensor(losses), torch.tensor(ref_losses), reduction_length=N, name="losses"
+    )
+    if case.dp_shard is not None:
+        assert (ddp.dp_size, ddp.replicate_size) == (case.dp_shard, 4 // case.dp_shard)
     if case.max_grad_norm is not None:
         assert min(ref_norms) > case.max_grad_norm, "clipping must be active in this case"
     if case.bucket_size == 300 and case.sharding == "optimizer":
@@ -253,7 +295,11 @@ def _check_case(name: str) -> float:
         (name, dp)
         for name in CASES
         for dp in (
-            (1, 2, 4) if CASES[name].sharding == "optimizer" or name.endswith("_plain") else (2, 4)
+            (4,)
+            if CASES[name].dp_shard is not None
+            else (1, 2, 4)
+            if CASES[name].sharding == "optimizer" or name.endswith("_plain")
+            else (2, 4)
         )
     ],
 )

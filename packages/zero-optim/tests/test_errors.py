@@ -175,3 +175,19 @@ def test_loading_another_ranks_shard_alone(dist_pool: DistPool, tmp_path: object
     for message in dist_pool.run(_partial_shards, 2, args=(str(tmp_path),)):
         assert "the state dict shards cover 0 of the" in message
         assert message.endswith("pass the shard saved by every dp rank, each once")
+
+
+def _overlapping_replicas() -> str:
+    groups = init_process_groups(ParallelConfig())
+    with pytest.raises(ValueError) as info:
+        DistributedDataParallel(_net(), dp_group=groups.dp, replicate_group=groups.dp)
+    return str(info.value)
+
+
+def test_replicate_group_must_be_orthogonal_to_the_shard_group(dist_pool: DistPool) -> None:
+    for message in dist_pool.run(_overlapping_replicas, 2):
+        assert message.startswith(
+            "replicate_group (ranks [0, 1]) and dp_group (ranks [0, 1]) must meet in this rank "
+            "alone, but share [0, 1]; pass the HSDP groups"
+        )
+        assert "\n" not in message

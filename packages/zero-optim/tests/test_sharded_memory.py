@@ -11,6 +11,7 @@ last end) and O the parameter elements this rank owns:
 and Adam's state 8·O plus one 4-byte ``step`` per owned piece, for every stage. Measured
 after a step from the storages actually allocated, and during backward (ZeRO-2/3: at most
 three buckets' full gradients alive beside the shards: two reducing, one accumulating).
+HSDP (dp 4 as dp_shard 2 x dp_replicate 2): the same formulas with dp_shard in place of dp.
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, owned
 WIDTH, LAYERS, BUCKET = 24, 8, 500  # 600 elements per layer: a bucket each
 
 
-def _measure(sharding: str) -> dict[str, int]:
-    groups = init_process_groups(ParallelConfig())
+def _measure(sharding: str, dp_shard: int | None = None) -> dict[str, int]:
+    groups = init_process_groups(ParallelConfig(dp_shard=dp_shard))
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     net = net.to(rank_device()).to(torch.bfloat16)
     ddp = DistributedDataParallel(
-        net, dp_group=groups.dp, bucket_size=BUCKET, sharding=sharding, prefetch=0
+        net,
+        dp_group=groups.dp_shard,
+        replicate_group=None if dp_shard is None else groups.dp_replicate,
+        bucket_size=BUCKET,
+        sharding=sharding,
+        prefetch=0,
     )
     opt = DistributedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=1e-3), ddp)
     peak = 0
@@ -58,6 +64,7 @@ def _measure(sharding: str) -> dict[str, int]:
     ]
     return {
         "dp": dp,
+        "replica": groups.rank("dp_replicate"),
         "padded": ddp.bucket_info()[-1].end,
         "bucket": max(i.end - i.start for i in ddp.bucket_info()),
         "owned": sum(p.in_buffer.size for p in owned),
@@ -71,12 +78,15 @@ def _measure(sharding: str) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize(("world", "dp_shard"), [(2, None), (4, None), (4, 2)])
 @pytest.mark.parametrize("sharding", ["optimizer", "gradients", "parameters"])
-def test_memory_matches_formula(dist_pool: DistPool, sharding: str, dp: int) -> None:
-    results = dist_pool.run(_measure, dp, args=(sharding,))
+def test_memory_matches_formula(
+    dist_pool: DistPool, sharding: str, world: int, dp_shard: int | None
+) -> None:
+    results = dist_pool.run(_measure, world, args=(sharding, dp_shard))
     for r in results:
-        padded = r["padded"]
+        padded, dp = r["padded"], r["dp"]
+        assert dp == (world if dp_shard is None else dp_shard)
         assert r["num_params"] == LAYERS * (WIDTH * WIDTH + WIDTH)
         param = {"optimizer": 2 * padded, "gradients": 2 * padded, "parameters": 2 * padded // dp}
         grad = {"optimizer": 4 * padded, "gradients": 4 * padded // dp}.get(
@@ -91,4 +101,6 @@ def test_memory_matches_formula(dist_pool: DistPool, sharding: str, dp: int) -> 
         else:  # the shards plus the full gradients of at most 3 buckets (2 reducing)
             assert 4 * padded // dp < r["peak_grad"] <= 4 * padded // dp + 3 * 4 * r["bucket"]
             assert r["peak_grad"] < 4 * padded
-    assert sum(r["owned"] for r in results) == LAYERS * (WIDTH * WIDTH + WIDTH)
+    first_replica = [r for r in results if r["replica"] == 0]  # the others hold the same
+    assert len(first_replica) == (world if dp_shard is None else dp_shard)
+    assert sum(r["owned"] for r in first_replica) == LAYERS * (WIDTH * WIDTH + WIDTH)

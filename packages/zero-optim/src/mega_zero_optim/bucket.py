@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from mega_zero_optim.hsdp import ChainedWork, all_reduce_grads, reduce_grads
 from mega_zero_optim.shard_range import Range, shard_of
 
 __all__ = ["Bucket", "BucketState"]
@@ -44,6 +45,7 @@ class Bucket:
         dp_group: ProcessGroup,
         reduce_scatter: bool,
         average: bool,
+        replicate_group: ProcessGroup | None = None,
     ) -> None:
         self.index = index
         self.where = where
@@ -53,7 +55,10 @@ class Bucket:
         self.dp_rank = dist.get_rank(dp_group)
         self.shard = shard_of(where, self.dp_size, self.dp_rank)
         self.reduce_scatter = reduce_scatter
-        self.scale = 1.0 / self.dp_size if average else 1.0
+        self.replicate_group = replicate_group
+        replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self._communicates = self.dp_size * replicas > 1
+        self.scale = 1.0 / (self.dp_size * replicas) if average else 1.0
         # views into the buffers: [bucket] and [bucket/dp]
         self.param_data = param_data[where.start : where.end]
         self.grad_data = grad_data[where.start : where.end]
@@ -61,7 +66,7 @@ class Bucket:
         self.grad_shard = grad_data[self.shard.start : self.shard.end]
         self.state = BucketState.ACCUMULATING
         self._waiting: set[int] = set(param_ids)
-        self._grad_work: dist.Work | None = None
+        self._grad_work: dist.Work | ChainedWork | None = None
         self._param_work: dist.Work | None = None
 
     def mark_ready(self, param_id: int) -> bool:
@@ -75,17 +80,17 @@ class Bucket:
         if self.state is not BucketState.ACCUMULATING:
             return
         self.state = BucketState.REDUCING
-        if self.dp_size == 1:
+        if not self._communicates:
             return
         if self.scale != 1.0:
             self.grad_data.mul_(self.scale)
         if self.reduce_scatter:
             # [bucket] -> [bucket/dp], written in place into this rank's shard
-            self._grad_work = dist.reduce_scatter_tensor(
-                self.grad_shard, self.grad_data, group=self.dp_group, async_op=True
+            self._grad_work = reduce_grads(
+                self.grad_shard, self.grad_data, self.dp_group, self.replicate_group
             )
         else:
-            self._grad_work = dist.all_reduce(self.grad_data, group=self.dp_group, async_op=True)
+            self._grad_work = all_reduce_grads(self.grad_data, self.dp_group, self.replicate_group)
 
     def finish_grad_sync(self) -> None:
         """Launch the collective if needed and wait for it."""

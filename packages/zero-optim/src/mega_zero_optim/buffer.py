@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from mega_zero_optim.bucket import Bucket
+from mega_zero_optim.hsdp import broadcast_from_first
 from mega_zero_optim.shard_range import Range, bucket_ranges, pack
 
 __all__ = ["ParamAndGradBuffer"]
@@ -33,6 +34,7 @@ class ParamAndGradBuffer:
         dp_group: ProcessGroup,
         reduce_scatter: bool,
         average: bool,
+        replicate_group: ProcessGroup | None = None,
     ) -> None:
         assert named_params, "a buffer needs at least one parameter"
         first = named_params[0][1]
@@ -74,6 +76,7 @@ class ParamAndGradBuffer:
                     dp_group=dp_group,
                     reduce_scatter=reduce_scatter,
                     average=average,
+                    replicate_group=replicate_group,
                 )
             )
 
@@ -97,10 +100,11 @@ class ParamAndGradBuffer:
         """Bytes of the gradient buffer."""
         return self.grad_data.numel() * self.grad_data.element_size()
 
-    def broadcast_params(self, dp_group: ProcessGroup) -> None:
-        """Make every dp rank's parameters equal to those of dp rank 0."""
-        if dist.get_world_size(dp_group) > 1:
-            dist.broadcast(self.param_data, src=dist.get_global_rank(dp_group, 0), group=dp_group)
+    def broadcast_params(
+        self, dp_group: ProcessGroup, replicate_group: ProcessGroup | None = None
+    ) -> None:
+        """Make every dp rank's parameters (every replica's, with HSDP) equal to dp rank 0's."""
+        broadcast_from_first(self.param_data, dp_group, replicate_group)
 
     def zero_grad(self) -> None:
         """Zero the gradient buffer and await every gradient again."""

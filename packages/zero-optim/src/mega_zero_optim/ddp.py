@@ -110,6 +110,15 @@ class DistributedDataParallel(nn.Module):
       head) must list only units that do not, e.g. the transformer layers.
       :meth:`gathered_parameters` lends the full parameters for reading.
 
+    HSDP: with ``replicate_group`` the data-parallel ranks are ``dp_group`` (the shard group,
+    over which every stage shards) times ``replicate_group`` (the ranks holding the same
+    shard, e.g. ``groups.dp_shard`` and ``groups.dp_replicate`` of a
+    ``ParallelConfig(dp_shard=...)``). Each bucket is reduce-scattered within the shard group,
+    then its shard all-reduced across the replicas (the order with the least traffic across
+    replicas, see :mod:`mega_zero_optim.hsdp`); gradients are averaged over both;
+    parameters are gathered within the shard group only. ``dp_size`` is the shard group's
+    size, ``replicate_size`` the replicas'; ``replicate_group=None`` is plain ZeRO.
+
     Every rank's backward must produce gradients for the same parameters (the
     collectives of the buckets are matched by order).
     """
@@ -130,8 +139,10 @@ class DistributedDataParallel(nn.Module):
         sharding: str = "optimizer",
         gather_units: Sequence[nn.Module] | None = None,
         prefetch: int = 1,
+        replicate_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        _check_replicate_group(dp_group, replicate_group)
         _check_sharding(module, sharding, use_distributed_optimizer, gather_units, prefetch)
         if bucket_size is not None and (
             isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0
@@ -160,6 +171,8 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
+        self.replicate_group = replicate_group
+        self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self._sync_enabled = True
@@ -201,6 +214,7 @@ class DistributedDataParallel(nn.Module):
                         dp_group=dp_group,
                         reduce_scatter=use_distributed_optimizer,
                         average=grad_reduce == "mean",
+                        replicate_group=replicate_group,
                     )
                 )
                 continue
@@ -212,13 +226,16 @@ class DistributedDataParallel(nn.Module):
                 dp_group=dp_group,
                 average=grad_reduce == "mean",
                 shard_params=sharding == "parameters",
+                replicate_group=replicate_group,
             )
-            sharded.shard_and_free(dp_group, broadcast=broadcast_params)
+            sharded.shard_and_free(
+                dp_group, broadcast=broadcast_params, replicate_group=replicate_group
+            )
             self.param_and_grad_buffers.append(sharded)
         self._handles: list[Any] = []
         for buffer in self.param_and_grad_buffers:
             if broadcast_params and isinstance(buffer, ParamAndGradBuffer):
-                buffer.broadcast_params(dp_group)
+                buffer.broadcast_params(dp_group, replicate_group)
             for index, p in enumerate(buffer.params):
                 register = p.register_post_accumulate_grad_hook
                 if isinstance(buffer, ShardedBuffer):
@@ -473,6 +490,21 @@ def _default_units(module: nn.Module) -> list[nn.Module]:
         for m in module.modules()
         if m is not module and any(p.requires_grad for p in m.parameters(recurse=False))
     ]
+
+
+def _check_replicate_group(dp_group: ProcessGroup, replicate_group: ProcessGroup | None) -> None:
+    """Raise ValueError when the replicate group is not orthogonal to the shard group."""
+    if replicate_group is None:
+        return
+    shard = dist.get_process_group_ranks(dp_group)
+    replicas = dist.get_process_group_ranks(replicate_group)
+    common = sorted(set(shard) & set(replicas))
+    if len(common) != 1:
+        raise ValueError(
+            f"replicate_group (ranks {replicas}) and dp_group (ranks {shard}) must meet in "
+            f"this rank alone, but share {common}; pass the HSDP groups of one layout, e.g. "
+            "groups.dp_shard and groups.dp_replicate"
+        )
 
 
 def _check_sharding(

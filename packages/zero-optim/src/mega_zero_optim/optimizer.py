@@ -152,6 +152,12 @@ class DistributedOptimizer:
     def _build_pieces(self) -> dict[int, tuple[str, list[_Piece]]]:
         """id(param) -> (name, pieces of it this rank owns); allocates the master shards."""
         found: dict[int, tuple[str, list[_Piece]]] = {}
+        uncounted = {
+            id(b)
+            for d in self.ddps
+            if not self._counts_replica(d)
+            for b in d.param_and_grad_buffers
+        }
         for prefix, buffer in self._buffers():
             for name, p in zip(buffer.names, buffer.params, strict=True):
                 self._shapes[prefix + name] = tuple(p.shape)
@@ -179,10 +185,23 @@ class DistributedOptimizer:
                             in_param=piece.in_param,
                             master=master[local.start : local.end],
                             grad=bucket.grad_shard[local.start : local.end],
-                            counts=counts_in_norm(p),
+                            counts=counts_in_norm(p) and id(buffer) not in uncounted,
                         )
                     )
         return found
+
+    def _counts_replica(self, ddp: DistributedDataParallel) -> bool:
+        """HSDP: whether this rank's shards count in the gradient norm. Every replica holds
+        the same reduced shard; when the norm group spans several replicas only the first
+        counts it, so that the sum of squares holds each shard once."""
+        if ddp.replicate_group is None or ddp.replicate_size == 1:
+            return True
+        replicas = dist.get_process_group_ranks(ddp.replicate_group)
+        if self.grad_norm_group is None:
+            spanned = len(replicas)
+        else:
+            spanned = len(set(replicas) & set(dist.get_process_group_ranks(self.grad_norm_group)))
+        return spanned == 1 or dist.get_rank(ddp.replicate_group) == 0
 
     # stepping ----------------------------------------------------------------------------
 

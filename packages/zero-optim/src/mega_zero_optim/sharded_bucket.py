@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from mega_zero_optim.bucket import BucketState
+from mega_zero_optim.hsdp import ChainedWork, reduce_grads
 from mega_zero_optim.shard_range import Range, shard_of
 
 __all__ = ["ShardedBucket", "free_storage", "storage_bytes"]
@@ -65,6 +66,7 @@ class ShardedBucket:
         dp_group: ProcessGroup,
         average: bool,
         shard_params: bool,
+        replicate_group: ProcessGroup | None = None,
     ) -> None:
         self.index = index
         self.where = where
@@ -73,7 +75,10 @@ class ShardedBucket:
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.shard = shard_of(where, self.dp_size, self.dp_rank)
-        self.scale = 1.0 / self.dp_size if average else 1.0
+        self.replicate_group = replicate_group
+        replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self._communicates = self.dp_size * replicas > 1
+        self.scale = 1.0 / (self.dp_size * replicas) if average else 1.0
         self.shard_params = shard_params
         self.param_data = param_data  # [bucket]
         self.param_shard = param_shard  # [bucket/dp]
@@ -95,7 +100,7 @@ class ShardedBucket:
         self._touched = False  # a gradient arrived since the last reduce-scatter
         self._shard_holds = False  # grad_shard holds reduced gradients since zero_grad
         self._grad_out: torch.Tensor | None = None
-        self._grad_work: dist.Work | None = None
+        self._grad_work: dist.Work | ChainedWork | None = None
         self._param_work: dist.Work | None = None
         self._backward_waiting: set[int] = set(self.param_ids)
 
@@ -121,16 +126,14 @@ class ShardedBucket:
         if self.state is not BucketState.ACCUMULATING or not self._touched:
             return
         self.state = BucketState.REDUCING
-        if self.dp_size == 1:
+        if not self._communicates:
             return
         if self.scale != 1.0:
             self.grad_data.mul_(self.scale)
         # [bucket] -> [bucket/dp]: straight into the shard on the step's first reduction
         out = torch.empty_like(self.grad_shard) if self._shard_holds else self.grad_shard
         self._grad_out = out
-        self._grad_work = dist.reduce_scatter_tensor(
-            out, self.grad_data, group=self.dp_group, async_op=True
-        )
+        self._grad_work = reduce_grads(out, self.grad_data, self.dp_group, self.replicate_group)
 
     @property
     def grad_sync_done(self) -> bool:
@@ -146,7 +149,7 @@ class ShardedBucket:
         if self._grad_work is not None:
             self._grad_work.wait()
             self._grad_work = None
-        if self.dp_size == 1:  # the shard is the whole bucket
+        if not self._communicates:  # the shard is the whole bucket
             if self._shard_holds:
                 self.grad_shard.add_(self.grad_data, alpha=self.scale)
             else:

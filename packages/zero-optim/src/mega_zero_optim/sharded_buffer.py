@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from mega_zero_optim.hsdp import broadcast_from_first
 from mega_zero_optim.shard_range import Range, aligned_layout, shard_of
 from mega_zero_optim.sharded_bucket import ShardedBucket, storage_bytes
 
@@ -38,6 +39,7 @@ class ShardedBuffer:
         dp_group: ProcessGroup,
         average: bool,
         shard_params: bool,
+        replicate_group: ProcessGroup | None = None,
     ) -> None:
         assert named_params, "a buffer needs at least one parameter"
         first = named_params[0][1]
@@ -83,6 +85,7 @@ class ShardedBuffer:
                 dp_group=dp_group,
                 average=average,
                 shard_params=shard_params,
+                replicate_group=replicate_group,
             )
             bucket.finish_param_sync()  # ZeRO-3: members view the bucket's full tensor
             for i in inside:
@@ -111,23 +114,28 @@ class ShardedBuffer:
         full = torch.empty(where.size, dtype=self.param_dtype, device=self.device)
         return full, shard_view
 
-    def shard_and_free(self, dp_group: ProcessGroup, *, broadcast: bool) -> None:
+    def shard_and_free(
+        self,
+        dp_group: ProcessGroup,
+        *,
+        broadcast: bool,
+        replicate_group: ProcessGroup | None = None,
+    ) -> None:
         """Make replicas equal (dp rank 0's values), then keep only this rank's shard.
 
         ZeRO-2 broadcasts the whole parameter buffer. ZeRO-3 broadcasts each bucket,
         copies this rank's part into its shard and frees the full parameters.
         """
         dp = dist.get_world_size(dp_group)
-        src = dist.get_global_rank(dp_group, 0)
         if self.param_data is not None:
-            if broadcast and dp > 1:
-                dist.broadcast(self.param_data, src=src, group=dp_group)
+            if broadcast:
+                broadcast_from_first(self.param_data, dp_group, replicate_group)
             return
         for bucket in self.buckets:
+            if broadcast:
+                broadcast_from_first(bucket.param_data, dp_group, replicate_group)
             if dp == 1:
                 continue
-            if broadcast:
-                dist.broadcast(bucket.param_data, src=src, group=dp_group)
             local = bucket.shard.shift(bucket.where.start)
             bucket.param_shard.copy_(bucket.param_data[local.start : local.end])
             bucket.free_params()
