@@ -73,6 +73,8 @@ SUITES: dict[str, Suite] = {
         ("mega compile fp8", 180, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8"),
     ],
     "hybrid": [("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile")],
+    # the SSD scan alone at hybrid-1b's mixer shape: ssd_triton beside ssd_chunked and mamba_ssm
+    "ssd": [("ssd kernels", 400, "python3 bench/ssd_kernels.py")],
     # the 2026 families (issue 19): compiled, bf16 and bf16 + FP8 GEMMs
     "families19": [
         (f"{size} compile{' fp8' if fp8 else ''}", 300,
@@ -148,6 +150,11 @@ SUITES: dict[str, Suite] = {
     "gpu-tests": [
         ("parallel-grid tests", 300, "python3 -m pytest -q -p mega_parallel_grid.testing.pytest_plugin "
                                      "packages/parallel-grid/tests packages/tp-layers/tests/test_linear.py"),
+    ],
+    # the cost of the split backward (issue 23): fused B+W vs B then W from the store, one GPU
+    "split": [
+        ("split eager", 300, "python3 bench/split_backward.py --size 1b-bench --mb 8"),
+        ("split compile", 420, "python3 bench/split_backward.py --size 1b-bench --mb 8 --compile"),
     ],
     # two GPUs (nvidia-h200-x2): data, tensor and pipeline parallel side by side
     "two-gpu": [
