@@ -49,6 +49,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             f"the interleaved schedule needs micro-batches per step ({microbatches}) to be a "
             f"multiple of pp ({p.pp}); raise train.global_batch_size or lower micro_batch_size"
         )
+    check_packing(config, model, plan.spec.name)  # data.reset_*, eod_mask_loss; seq_len too
     if t.seq_len > model.max_seq_len:
         raise ValueError(
             f"train.seq_len ({t.seq_len}) exceeds the model's max_seq_len ({model.max_seq_len}); "
@@ -67,7 +68,6 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
                 f"divisible by tp ({p.tp}); change train.seq_len"
             )
     plan.spec.check_layout(model, plan.layout_request)  # the family's own checks
-    check_packing(config, model, plan.spec.name)  # data.reset_* / eod_mask_loss
     check_compile_mode(config, model)  # train.compile_mode (CUDA graphs)
     precision = resolve_precision(t.precision)
     if t.fp8 and precision != "bf16":

@@ -43,6 +43,14 @@ def check_packing(config: TrainerConfig, model: GPTConfig, family: str) -> None:
     if not on:
         return
     resets = d.reset_position_ids or d.reset_attention_mask
+    seq_len = config.train.seq_len
+    if seq_len > model.max_seq_len:
+        raise ValueError(
+            f"a packed sample is train.seq_len ({seq_len}) tokens whatever {', '.join(on)} "
+            "does inside it (positions and the mask restart per document; the window stays one "
+            f"sequence), longer than the model's max_seq_len ({model.max_seq_len}); set "
+            f"train.seq_len to at most {model.max_seq_len} or raise model.max_seq_len"
+        )
     if family == "hybrid" and resets:
         raise ValueError(
             "data.reset_position_ids / reset_attention_mask are not supported for hybrid "
