@@ -140,6 +140,8 @@ SUITES: dict[str, Suite] = {
     # issue 22 target 6: today's head vs the fused linear + cross-entropy (train.loss_chunk_size),
     # alone at vocab 32k and 128k, then in the 1b-bench step
     "linear-ce": [
+        ("fused ce tests", 300, "python3 -m pytest -q -p mega_parallel_grid.testing.pytest_plugin "
+                                "packages/tp-layers/tests/test_fused_cross_entropy.py"),
         ("linear-ce eager", 400, "python3 bench/linear_ce.py"),
         ("linear-ce compile", 500, "python3 bench/linear_ce.py --compile"),
         ("mega compile", 180, f"{_STEP} --size 1b-bench --mb 8 --compile"),

@@ -202,3 +202,53 @@ def test_bad_input_is_one_sentence(dist_pool: DistPool) -> None:
     assert "vocab_size (11) must lie in [1, 10]" in msgs["vocab"]
     assert "label_smoothing (1.5) must lie in [0, 1]" in msgs["smoothing"]
     assert "expects integer targets, got dtype torch.float32" in msgs["dtype"]
+
+
+def _cuda_bf16() -> dict[str, float]:
+    """bf16 on the GPU: the fused head against fp32 math on the same (bf16) values, and the
+    memory above the inputs that it and the unfused head allocate."""
+    g = init_process_groups(ParallelConfig()).tp
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tokens, vocab, hidden, chunk = 2000, 8000, 128, 128
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, 1, hidden, generator=gen).bfloat16().cuda()
+    w = (0.3 * torch.randn(vocab, hidden, generator=gen)).bfloat16().cuda()
+    targets = torch.randint(0, vocab, (tokens, 1), generator=gen).cuda()
+    dloss = torch.rand(tokens, 1, generator=gen).cuda()
+    x_ref, w_ref = x.float().requires_grad_(), w.float().requires_grad_()
+    loss_ref = F.cross_entropy(F.linear(x_ref, w_ref).view(tokens, vocab), targets.view(-1),
+                               reduction="none").view(tokens, 1)  # fmt: skip
+    loss_ref.backward(dloss)
+    assert x_ref.grad is not None and w_ref.grad is not None
+    heads: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+        "unfused": lambda xs, ws: vocab_parallel_cross_entropy(
+            column_parallel_linear(xs, ws, tp_group=g), targets, g
+        ),
+        "fused": lambda xs, ws: fused_linear_cross_entropy(xs, ws, targets, g, chunk_size=chunk),
+    }
+    extra: dict[str, float] = {}
+    n = vocab + hidden + tokens
+    for name, head in heads.items():
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = head(xs, ws)
+        loss.backward(dloss)
+        torch.cuda.synchronize()
+        extra[name] = float(torch.cuda.max_memory_allocated() - base)
+        if name == "fused":  # fp32 logits from bf16 products: the loss to fp32 rounding
+            assert xs.grad is not None and ws.grad is not None
+            assert_close_to_reference(loss, loss_ref, reduction_length=n, name="loss (fp32)")
+            assert_close_to_reference(xs.grad, x_ref.grad, reduction_length=n, name="dh (bf16)")
+            assert_close_to_reference(ws.grad, w_ref.grad, reduction_length=n, name="dW (bf16)")
+    return {**extra, "logits_fp32": 4.0 * tokens * vocab}
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the bf16 GEMMs with fp32 output need CUDA"
+)
+def test_fused_bf16_on_cuda_matches_fp32_and_holds_no_logits(dist_pool: DistPool) -> None:
+    [mem] = dist_pool.run(_cuda_bf16, 1)
+    assert mem["unfused"] >= mem["logits_fp32"], mem  # today's head: fp32 logits at least
+    assert mem["fused"] < mem["logits_fp32"] / 2, mem  # less than even bf16 logits
