@@ -5,7 +5,9 @@ the real vocabulary size, padding rows zero) are copied out of the saved tp shar
 overlap them. Optimizer state is rebuilt the same way, for the rows whose state this dp
 rank owns: the overlapping parts of the old tp shards are reassembled from their saved dp
 pieces and sliced, and the result goes to DistributedOptimizer.load_state_dict as one shard
-in its own format, which copies out exactly the pieces this rank owns.
+in its own format, which copies out exactly the pieces this rank owns. Under ZeRO-3 the
+weights are written into the gathered parameters and the shards then rebuilt from the loaded
+fp32 masters (the saved weights are those masters rounded, so they come back bitwise).
 """
 
 from __future__ import annotations
@@ -408,7 +410,8 @@ def load_checkpoint(path: Path, built: Built, groups: ProcessGroups) -> dict[str
     same_layout = meta["layout"] == layout_of(built, groups)
     shard: dict[str, Any] = {}
     try:
-        shard = _load_local(path, meta, params, built)
+        with built.gathered_parameters():  # ZeRO-3: written, then rebuilt from the masters
+            shard = _load_local(path, meta, params, built)
         if same_layout:
             _restore_rng(path, built, dist.get_rank(world))
     except CheckpointError as exc:

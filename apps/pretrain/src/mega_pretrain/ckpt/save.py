@@ -278,7 +278,11 @@ def prepare_save(
     index = _local_index(params, opt_state, groups)
     indices = gather_objects(index, world)
     canonical = _canonical(indices)
-    tensors = _tensors(params, opt_state, (index["pp"], index["tp"]), canonical)
+    with built.gathered_parameters():  # ZeRO-3: the full weights, copied out before freed
+        tensors = _tensors(params, opt_state, (index["pp"], index["tp"]), canonical)
+        if any(d.sharding == "parameters" and d.dp_size > 1 for d in built.ddps):
+            tensors = {k: v.to("cpu", copy=True) if k.startswith("model/") else v
+                       for k, v in tensors.items()}  # fmt: skip
     tensors.update(saved_buffers(built))  # e.g. MoE expert biases: the same on every rank
     meta = None
     if dist.get_rank(world) == 0:
@@ -336,6 +340,10 @@ def save_checkpoint(
     Each rank hashes the files it wrote (CRC-32) and rank 0 records them in meta.json. A
     failed write (a full disk named as such) raises CheckpointError on every rank and
     leaves ``latest`` and the checkpoint it names as they were.
+    Under ZeRO-3 (``parallel.sharding parameters``) the weights are saved whole, as at any
+    stage: gathered once (``Built.gathered_parameters``) and copied to host memory before they
+    are freed, so any stage and dp size loads them (the choice: one format for all
+    stages; the cost is one full gather per save and a host copy of this rank's weights).
     ``trainer_state`` (config, consumed samples...) must be JSON-serialisable. Returns the
     checkpoint folder. (:class:`mega_pretrain.ckpt.async_save.AsyncSaver` writes in the
     background instead.)
