@@ -1,5 +1,6 @@
 """``train.loss_chunk_size``: the trainer with the fused output layer + loss trains like
-without it (CPU, fp32): the same losses over 3 AdamW steps and the same weights after them.
+without it (CPU, fp32): the same losses over 3 AdamW steps and the same weights after
+them, for GPT (untied, tied, MTP, compiled, tp 2 + SP) and a hybrid.
 
 Each case builds the model twice in one worker, with the option off and on, at the same
 layout; chunks (5, 7) do not divide the 2 x 16 tokens of a micro-batch. The tolerance is
@@ -28,18 +29,21 @@ from mega_pretrain.validate import check_config
 
 SEQ, MICRO, STEPS = 16, 2, 3
 
+TWO = ("model.num_layers", "2")
 CASES: dict[str, tuple[int, list[tuple[str, str]]]] = {
-    "tp1": (1, [("train.loss_chunk_size", "5")]),
-    "tp2-sp": (2, [("train.loss_chunk_size", "7"), ("parallel.sequence_parallel", "true")]),
-    "tied": (1, [("train.loss_chunk_size", "5"), ("model.tie_embeddings", "true")]),
-    "mtp": (1, [("train.loss_chunk_size", "7"), ("model.mtp_num_layers", "1")]),
-    "compiled": (1, [("train.loss_chunk_size", "5"), ("train.compile", "true")]),
-}
+    "tp1": (1, [TWO, ("train.loss_chunk_size", "5")]),
+    "tp2-sp": (2, [TWO, ("train.loss_chunk_size", "7"), ("parallel.sequence_parallel", "true")]),
+    "tied": (1, [TWO, ("train.loss_chunk_size", "5"), ("model.tie_embeddings", "true")]),
+    "mtp": (1, [TWO, ("train.loss_chunk_size", "7"), ("model.mtp_num_layers", "1")]),
+    "compiled": (1, [TWO, ("train.loss_chunk_size", "5"), ("train.compile", "true")]),
+    "hybrid": (1, [("model.size", "hybrid-tiny"), ("model.pattern", "M*-"),
+                   ("train.loss_chunk_size", "5")]),
+}  # fmt: skip
 
 
 def _overrides(extra: list[tuple[str, str]], tp: int) -> list[tuple[str, str]]:
     return [
-        ("model.size", "tiny"), ("model.num_layers", "2"), ("parallel.tp", str(tp)),
+        ("model.size", "tiny"), ("parallel.tp", str(tp)),
         ("train.seq_len", str(SEQ)), ("train.micro_batch_size", str(MICRO)),
         ("train.global_batch_size", str(MICRO)), ("train.eps", "1e-5"), *extra,
     ]  # fmt: skip
