@@ -97,6 +97,9 @@ CASES: list[tuple[dict[str, object], dict[str, object]]] = [
     ({"sharding": "gradients", "pp": 2}, {"tie_embeddings": True}),
     ({"sharding": "parameters", "pp": 2}, {"tie_embeddings": True}),
     ({"sharding": "parameters", "cp": 2}, {}),
+    ({"sharding": "gradients", "pp": 2, "pp_schedule": "zb-h1"}, {}),  # W passes deferred
+    ({"sharding": "parameters", "pp": 2, "pp_schedule": "zb-h1"}, {}),
+    ({"sharding": "parameters", "tp": 2, "pp": 2, "sequence_parallel": True}, {"qk_norm": True}),
 ]
 
 

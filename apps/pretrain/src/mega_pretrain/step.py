@@ -122,7 +122,9 @@ class StepRunner:
         @contextmanager
         def no_sync_all() -> Iterator[None]:
             with ExitStack() as stack:
-                for ddp in ddps:
+                # ZeRO-2/3 reduce-scatter every micro-batch into the shard (their full
+                # gradients then live only until a bucket is reduced, not a whole step)
+                for ddp in (d for d in ddps if d.sharding == "optimizer"):
                     stack.enter_context(ddp.no_sync())
                 yield
 
