@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from mega_models.ssd_triton._configs import configs
+from mega_models.ssd_triton._tiles import causal_decay, load_tile, store_tile
 
 
 @triton.autotune(configs=configs("state"), key=["Q", "P", "N"])
@@ -51,14 +52,12 @@ def dstate_bwd(
         t = c * Q + lt
         valid = (lt < Q) & (t < L)
         s = tl.load(cum_base + lt, mask=lt < Q, other=0.0)
-        dy = tl.load(dy_base + t[:, None] * sy_l + rp[None, :] * sy_p,
-                     mask=valid[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
-        Ct = tl.load(C_base + t[:, None] * sC_l + rn[None, :] * sC_n,
-                     mask=valid[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+        dy = load_tile(dy_base, t, sy_l, valid, rp, sy_p, P)
+        Ct = load_tile(C_base, t, sC_l, valid, rn, sC_n, N)
         dyw = (dy.to(ACC) * tl.exp(s)[:, None]).to(Ct.dtype)
         acc = tl.dot(tl.trans(dyw), Ct, acc, out_dtype=ACC, input_precision=PREC)
     out = dstates_ptr + ((bb * n_chunks + c) * H + hh) * P * N
-    tl.store(out + rp[:, None] * N + rn[None, :], acc, mask=(rp[:, None] < P) & (rn[None, :] < N))
+    store_tile(out, rp, N, rp < P, rn, 1, N, acc)
 
 
 @triton.jit
@@ -116,19 +115,16 @@ def dc_bwd(
     vi = (li < Q) & (ti < L)
     C_base = C_ptr + bb * sC_b + g * sC_g
     B_base = B_ptr + bb * sB_b + g * sB_g
-    Ci = tl.load(C_base + ti[:, None] * sC_l + rn[None, :] * sC_n,
-                 mask=vi[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+    Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
     end = tl.minimum((tl.program_id(2) + 1) * BLOCK_M, Q)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     for r in range(0, R):
         hh = g * R + r
         cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
         s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
-        dyi = tl.load(dy_ptr + bb * sy_b + hh * sy_h + ti[:, None] * sy_l + rp[None, :] * sy_p,
-                      mask=vi[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        dyi = load_tile(dy_ptr + bb * sy_b + hh * sy_h, ti, sy_l, vi, rp, sy_p, P)
         st = states_ptr + ((bb * n_chunks + c) * H + hh) * P * N
-        Hc = tl.load(st + rp[:, None] * N + rn[None, :],
-                     mask=(rp[:, None] < P) & (rn[None, :] < N), other=0.0)  # [P, N]  # fmt: skip
+        Hc = load_tile(st, rp, N, rp < P, rn, 1, N)  # [P, N]
         entering = (
             tl.dot(dyi, Hc.to(dyi.dtype), out_dtype=ACC, input_precision=PREC)
             * tl.exp(s_i)[:, None]
@@ -141,14 +137,11 @@ def dc_bwd(
             lj = k + rk
             tj = c * Q + lj
             vj = (lj < Q) & (tj < L)
-            xj = tl.load(x_base + tj[:, None] * sx_l + rp[None, :] * sx_p,
-                         mask=vj[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
-            Bj = tl.load(B_base + tj[:, None] * sB_l + rn[None, :] * sB_n,
-                         mask=vj[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+            xj = load_tile(x_base, tj, sx_l, vj, rp, sx_p, P)
+            Bj = load_tile(B_base, tj, sB_l, vj, rn, sB_n, N)
             s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
             dt_j = tl.load(dt_base + tj * sdt_l, mask=vj, other=0.0).to(ACC)
-            causal = li[:, None] >= lj[None, :]
-            decay = tl.exp(tl.where(causal, s_i[:, None] - s_j[None, :], float("-inf")))
+            decay = causal_decay(s_i, li, s_j, lj, True)
             w = (
                 tl.dot(dyi, tl.trans(xj), out_dtype=ACC, input_precision=PREC)
                 * decay
@@ -158,8 +151,7 @@ def dc_bwd(
             scores = tl.dot(Ci, tl.trans(Bj), out_dtype=ACC, input_precision=PREC)
             row += tl.sum(w * scores, 1)  # dy_i . (intra-chunk part of y_i)
         tl.store(rows_ptr + (bb * H + hh) * n_chunks * Q + c * Q + li, row, mask=li < Q)
-    tl.store(dC_ptr + bb * sdC_b + g * sdC_g + ti[:, None] * sdC_l + rn[None, :] * sdC_n,
-             acc.to(dC_ptr.dtype.element_ty), mask=vi[:, None] & (rn[None, :] < N))  # fmt: skip
+    store_tile(dC_ptr + bb * sdC_b + g * sdC_g, ti, sdC_l, vi, rn, sdC_n, N, acc)
 
 
 @triton.autotune(configs=configs("dx"), key=["Q", "P", "N"])
@@ -191,18 +183,15 @@ def dx_bwd(
     lj = tl.arange(0, BLOCK_Q)
     tj = c * Q + lj
     vj = (lj < Q) & (tj < L)
-    mj = vj[:, None] & (rp[None, :] < P)
     cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
     s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
     total = tl.load(cum_base + Q - 1)
     B_base = B_ptr + bb * sB_b + g * sB_g
     C_base = C_ptr + bb * sC_b + g * sC_g
     dy_base = dy_ptr + bb * sy_b + hh * sy_h
-    Bj = tl.load(B_base + tj[:, None] * sB_l + rn[None, :] * sB_n,
-                 mask=vj[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+    Bj = load_tile(B_base, tj, sB_l, vj, rn, sB_n, N)
     st = dstates_ptr + ((bb * n_chunks + c) * H + hh) * P * N
-    dS = tl.load(st + rp[None, :] * N + rn[:, None],
-                 mask=(rp[None, :] < P) & (rn[:, None] < N), other=0.0)  # [N, P]  # fmt: skip
+    dS = load_tile(st, rn, 1, rn < N, rp, N, P)  # [N, P]
     u = (
         tl.dot(Bj, dS.to(Bj.dtype), out_dtype=ACC, input_precision=PREC)
         * tl.exp(total - s_j)[:, None]
@@ -212,25 +201,20 @@ def dx_bwd(
         li = k + ri
         ti = c * Q + li
         vi = (li < Q) & (ti < L)
-        Ci = tl.load(C_base + ti[:, None] * sC_l + rn[None, :] * sC_n,
-                     mask=vi[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
-        dyi = tl.load(dy_base + ti[:, None] * sy_l + rp[None, :] * sy_p,
-                      mask=vi[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
+        dyi = load_tile(dy_base, ti, sy_l, vi, rp, sy_p, P)
         s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
-        causal = li[None, :] >= lj[:, None]
-        decay = tl.exp(tl.where(causal, s_i[None, :] - s_j[:, None], float("-inf")))
+        decay = causal_decay(s_j, lj, s_i, li, False)
         w = tl.dot(Bj, tl.trans(Ci), out_dtype=ACC, input_precision=PREC) * decay  # [Q, I]
         u = tl.dot(w.to(dyi.dtype), dyi, u, out_dtype=ACC, input_precision=PREC)
-    x = tl.load(x_ptr + bb * sx_b + hh * sx_h + tj[:, None] * sx_l + rp[None, :] * sx_p,
-                mask=mj, other=0.0).to(ACC)  # fmt: skip
+    x = load_tile(x_ptr + bb * sx_b + hh * sx_h, tj, sx_l, vj, rp, sx_p, P).to(ACC)
     dt = tl.load(dt_ptr + bb * sdt_b + hh * sdt_h + tj * sdt_l, mask=vj, other=0.0).to(ACC)
-    dy = tl.load(dy_base + tj[:, None] * sy_l + rp[None, :] * sy_p, mask=mj, other=0.0).to(ACC)
+    dy = load_tile(dy_base, tj, sy_l, vj, rp, sy_p, P).to(ACC)
     dx = u * dt[:, None]
     if HAS_D:
         dx += tl.load(D_ptr + hh).to(ACC) * dy
         tl.store(dD_ptr + (bb * n_chunks + c) * H + hh, tl.sum(tl.sum(dy * x, 1), 0))
-    tl.store(dx_ptr + bb * sdx_b + hh * sdx_h + tj[:, None] * sdx_l + rp[None, :] * sdx_p,
-             dx.to(dx_ptr.dtype.element_ty), mask=mj)  # fmt: skip
+    store_tile(dx_ptr + bb * sdx_b + hh * sdx_h, tj, sdx_l, vj, rp, sdx_p, P, dx)
     direct = tl.sum(u * x, 1)  # [Q]
     rows = tl.load(rows_ptr + (bb * H + hh) * n_chunks * Q + c * Q + lj, mask=lj < Q, other=0.0)
     end_grad = tl.load(ends_ptr + (bb * H + hh) * n_chunks + c)
@@ -275,11 +259,9 @@ def db_bwd(
         s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
         total = tl.load(cum_base + Q - 1)
         dt_j = tl.load(dt_ptr + bb * sdt_b + hh * sdt_h + tj * sdt_l, mask=vj, other=0.0).to(ACC)
-        xj = tl.load(x_ptr + bb * sx_b + hh * sx_h + tj[:, None] * sx_l + rp[None, :] * sx_p,
-                     mask=vj[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        xj = load_tile(x_ptr + bb * sx_b + hh * sx_h, tj, sx_l, vj, rp, sx_p, P)
         st = dstates_ptr + ((bb * n_chunks + c) * H + hh) * P * N
-        dS = tl.load(st + rp[:, None] * N + rn[None, :],
-                     mask=(rp[:, None] < P) & (rn[None, :] < N), other=0.0)  # [P, N]  # fmt: skip
+        dS = load_tile(st, rp, N, rp < P, rn, 1, N)  # [P, N]
         head = (
             tl.dot(xj, dS.to(xj.dtype), out_dtype=ACC, input_precision=PREC)
             * tl.exp(total - s_j)[:, None]
@@ -289,17 +271,13 @@ def db_bwd(
             li = k + rk
             ti = c * Q + li
             vi = (li < Q) & (ti < L)
-            dyi = tl.load(dy_base + ti[:, None] * sy_l + rp[None, :] * sy_p,
-                          mask=vi[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
-            Ci = tl.load(C_base + ti[:, None] * sC_l + rn[None, :] * sC_n,
-                         mask=vi[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+            dyi = load_tile(dy_base, ti, sy_l, vi, rp, sy_p, P)
+            Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
             s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
-            causal = li[None, :] >= lj[:, None]
-            decay = tl.exp(tl.where(causal, s_i[None, :] - s_j[:, None], float("-inf")))
+            decay = causal_decay(s_j, lj, s_i, li, False)
             w = (
                 tl.dot(xj, tl.trans(dyi), out_dtype=ACC, input_precision=PREC) * decay
             )  # [M, K]: (dy_i . x_j)
             head = tl.dot(w.to(Ci.dtype), Ci, head, out_dtype=ACC, input_precision=PREC)
         acc += head * dt_j[:, None]
-    tl.store(dB_ptr + bb * sdB_b + g * sdB_g + tj[:, None] * sdB_l + rn[None, :] * sdB_n,
-             acc.to(dB_ptr.dtype.element_ty), mask=vj[:, None] & (rn[None, :] < N))  # fmt: skip
+    store_tile(dB_ptr + bb * sdB_b + g * sdB_g, tj, sdB_l, vj, rn, sdB_n, N, acc)

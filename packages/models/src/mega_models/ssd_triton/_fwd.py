@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from mega_models.ssd_triton._configs import configs
+from mega_models.ssd_triton._tiles import causal_decay, load_tile, store_tile
 
 
 @triton.autotune(configs=configs("state"), key=["Q", "P", "N"])
@@ -54,7 +55,7 @@ def chunk_state_fwd(
     B_base = B_ptr + bb * sB_b + g * sB_g
     cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=ACC)
-    offset = tl.zeros((), dtype=ACC)
+    offset = chunk_total * 0.0  # the running sum before this block
     for k in range(0, Q, BLOCK_T):
         lt = k + rt
         t = c * Q + lt
@@ -63,15 +64,13 @@ def chunk_state_fwd(
         s = tl.cumsum(dt * a_h, 0) + offset
         offset += tl.sum(dt * a_h, 0)
         tl.store(cum_base + lt, s, mask=lt < Q)
-        x = tl.load(x_base + t[:, None] * sx_l + rp[None, :] * sx_p,
-                    mask=valid[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
-        Bt = tl.load(B_base + t[:, None] * sB_l + rn[None, :] * sB_n,
-                     mask=valid[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+        x = load_tile(x_base, t, sx_l, valid, rp, sx_p, P)
+        Bt = load_tile(B_base, t, sB_l, valid, rn, sB_n, N)
         w = tl.exp(chunk_total - s) * dt  # [T]
         xw = (x.to(ACC) * w[:, None]).to(Bt.dtype)
         acc = tl.dot(tl.trans(xw), Bt, acc, out_dtype=ACC, input_precision=PREC)  # [P, T] @ [T, N]
     out = states_ptr + ((bb * n_chunks + c) * H + hh) * P * N
-    tl.store(out + rp[:, None] * N + rn[None, :], acc, mask=(rp[:, None] < P) & (rn[None, :] < N))
+    store_tile(out, rp, N, rp < P, rn, 1, N, acc)
 
 
 @triton.jit
@@ -123,12 +122,10 @@ def chunk_scan_fwd(
     cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
     s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
     C_base = C_ptr + bb * sC_b + g * sC_g
-    Ci = tl.load(C_base + ti[:, None] * sC_l + rn[None, :] * sC_n,
-                 mask=vi[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+    Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
     # the entering state's part: exp(s_i) C_i H_c^T
     st = states_ptr + ((bb * n_chunks + c) * H + hh) * P * N
-    Hc = tl.load(st + rp[None, :] * N + rn[:, None],
-                 mask=(rp[None, :] < P) & (rn[:, None] < N), other=0.0)  # [N, P]  # fmt: skip
+    Hc = load_tile(st, rn, 1, rn < N, rp, N, P)  # [N, P]
     acc = (
         tl.dot(Ci, Hc.to(Ci.dtype), out_dtype=ACC, input_precision=PREC) * tl.exp(s_i)[:, None]
     )  # [M, P]
@@ -141,21 +138,16 @@ def chunk_scan_fwd(
         lj = k + rk
         tj = c * Q + lj
         vj = (lj < Q) & (tj < L)
-        Bj = tl.load(B_base + tj[:, None] * sB_l + rn[None, :] * sB_n,
-                     mask=vj[:, None] & (rn[None, :] < N), other=0.0)  # fmt: skip
+        Bj = load_tile(B_base, tj, sB_l, vj, rn, sB_n, N)
         s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
         dt_j = tl.load(dt_base + tj * sdt_l, mask=vj, other=0.0).to(ACC)
         scores = tl.dot(Ci, tl.trans(Bj), out_dtype=ACC, input_precision=PREC)  # [M, K]
-        causal = li[:, None] >= lj[None, :]
-        decay = tl.exp(tl.where(causal, s_i[:, None] - s_j[None, :], float("-inf")))
-        xj = tl.load(x_base + tj[:, None] * sx_l + rp[None, :] * sx_p,
-                     mask=vj[:, None] & (rp[None, :] < P), other=0.0)  # fmt: skip
+        decay = causal_decay(s_i, li, s_j, lj, True)
+        xj = load_tile(x_base, tj, sx_l, vj, rp, sx_p, P)
         w = (scores * decay * dt_j[None, :]).to(xj.dtype)
         acc = tl.dot(w, xj, acc, out_dtype=ACC, input_precision=PREC)
-    mask = vi[:, None] & (rp[None, :] < P)
     if HAS_D:
-        xi = tl.load(x_base + ti[:, None] * sx_l + rp[None, :] * sx_p, mask=mask, other=0.0)
+        xi = load_tile(x_base, ti, sx_l, vi, rp, sx_p, P)
         acc += tl.load(D_ptr + hh).to(ACC) * xi.to(ACC)
     y_base = y_ptr + bb * sy_b + hh * sy_h
-    tl.store(y_base + ti[:, None] * sy_l + rp[None, :] * sy_p, acc.to(y_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    store_tile(y_base, ti, sy_l, vi, rp, sy_p, P, acc)
