@@ -74,7 +74,10 @@ SUITES: dict[str, Suite] = {
     ],
     "hybrid": [("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile")],
     # the SSD scan alone at hybrid-1b's mixer shape: ssd_triton beside ssd_chunked and mamba_ssm
-    "ssd": [("ssd kernels", 400, "python3 bench/ssd_kernels.py")],
+    "ssd": [
+        ("ssd kernel tests", 400, "python3 -m pytest -q packages/models/tests/test_ssd_triton.py"),
+        ("ssd kernels", 400, "python3 bench/ssd_kernels.py"),
+    ],
     # the 2026 families (issue 19): compiled, bf16 and bf16 + FP8 GEMMs
     "families19": [
         (f"{size} compile{' fp8' if fp8 else ''}", 300,

@@ -192,7 +192,10 @@ def main() -> int:
         except Exception as err:  # one failing line does not stop the table
             rows[name] = f"failed: {type(err).__name__}: {str(err)[:300]}"
         print(f"{name}: {rows[name]}", flush=True)
-    errs = errors(inputs, dy, q)
+    try:
+        errs = errors(inputs, dy, q)
+    except Exception as err:
+        errs = [(f"failed: {type(err).__name__}: {str(err)[:300]}", float("nan"), float("nan"))]
 
     ref = rows.get("mamba_ssm triton (bf16)")
     base = ref["fwd_bwd_ms"] if isinstance(ref, dict) else None
