@@ -18,8 +18,9 @@ _CANDIDATES = {
     "dx": [({"BLOCK_I": 16}, 4, 1), ({"BLOCK_I": 32}, 8, 2), ({"BLOCK_I": 64}, 8, 2),
            ({"BLOCK_I": 32}, 4, 3)],
     # B and C gradients per group: rows M, the other side K
-    "dbc": [({"BLOCK_M": 16, "BLOCK_K": 16}, 4, 1), ({"BLOCK_M": 64, "BLOCK_K": 32}, 4, 2),
-            ({"BLOCK_M": 64, "BLOCK_K": 64}, 8, 2), ({"BLOCK_M": 128, "BLOCK_K": 32}, 8, 2)],
+    # (a program loops over the group's heads: smaller row blocks, more programs)
+    "dbc": [({"BLOCK_M": 16, "BLOCK_K": 16}, 4, 1), ({"BLOCK_M": 32, "BLOCK_K": 32}, 4, 2),
+            ({"BLOCK_M": 64, "BLOCK_K": 32}, 4, 2), ({"BLOCK_M": 64, "BLOCK_K": 64}, 8, 2)],
 }  # fmt: skip
 
 
