@@ -161,6 +161,11 @@ SUITES: dict[str, Suite] = {
         ("split eager", 300, "python3 bench/split_backward.py --size 1b-bench --mb 8"),
         ("split compile", 420, "python3 bench/split_backward.py --size 1b-bench --mb 8 --compile"),
     ],
+    # the cost of the split backward (issue 23): fused B+W vs B then W from the store, one GPU
+    "split": [
+        ("split eager", 300, "python3 bench/split_backward.py --size 1b-bench --mb 8"),
+        ("split compile", 420, "python3 bench/split_backward.py --size 1b-bench --mb 8 --compile"),
+    ],
     # two GPUs (nvidia-h200-x2): data, tensor and pipeline parallel side by side
     "two-gpu": [
         ("dp 2", 240, f"{_TORCHRUN2} bench/mega_step.py --size 1b-bench --mb 8 --compile"),

@@ -2,8 +2,8 @@
 
 Reuses the layout contract of ``test_gpt_training_layouts`` (3 AdamW steps; losses, gradient
 norms and final weights against plain gradient accumulation on one process). The GPT's
-column/row linears defer their weight gradients into the W passes; its norms and
-embeddings keep a fused backward. With dp 2 the DDP buckets of the deferred weights are
+column/row linears defer their weight gradients into the W passes, and so do its norms
+and embedding. With dp 2 the DDP buckets of the deferred weights are
 reduced in the last W. Bad schedule choices fail at config time, one sentence each.
 """
 
@@ -53,10 +53,11 @@ def _deferred_weight_grads() -> int:
 
 
 def test_the_trainer_runs_the_linears_weight_gradients_in_w(dist_pool: DistPool) -> None:
-    """Each of the 4 micro-batches x 3 steps defers its stage's qkv, proj, fc1, fc2 (x 4
-    layers per stage) and, on the last stage, the output head: W is not a no-op."""
+    """Each of the 4 micro-batches x 3 steps defers its stage's qkv, proj, fc1, fc2 and two
+    norms (x 4 layers per stage), on the first stage the embedding, on the last the final
+    norm and the output head: W is not a no-op, and no weight keeps a fused backward."""
     counts = dist_pool.run(_deferred_weight_grads, 2)
-    assert counts == [3 * 4 * 4 * 4, 3 * 4 * (4 * 4 + 1)], counts
+    assert counts == [3 * 4 * (4 * 6 + 1), 3 * 4 * (4 * 6 + 2)], counts
 
 
 def _plan(world: int, **parallel: object) -> Plan:

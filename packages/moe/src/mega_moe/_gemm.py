@@ -3,18 +3,27 @@
 ``torch._grouped_mm`` exists from torch 2.8 (CUDA, bf16, sm80+); its CPU kernel from 2.9.
 Both need 16-byte aligned strides and data pointers. Where it cannot run, the same
 product is computed by a loop of ``F.linear`` over the experts' row blocks.
+
+:func:`split_grouped_linear` is the same product whose backward is split for zero-bubble
+pipelines: the input gradient (one grouped GEMM against the weights) in B, the weight
+gradient (one grouped GEMM ``dy_l^T x_l`` per expert block) left in a
+:class:`mega_tp_layers.WeightGradStore` for the W pass.
 """
 
 from __future__ import annotations
 
 from itertools import accumulate
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd import Function
 from torch.torch_version import TorchVersion
 
-__all__ = ["expert_activation", "grouped_linear", "grouped_mm_available"]
+from mega_tp_layers import WeightGradStore
+
+__all__ = ["expert_activation", "grouped_linear", "grouped_mm_available", "split_grouped_linear"]
 
 
 def _aligned(t: Tensor, *dims: int) -> bool:
@@ -86,6 +95,77 @@ def grouped_linear(
     sizes = counts.tolist() if isinstance(counts, Tensor) else counts
     blocks = torch.split(x, sizes)
     return torch.cat([F.linear(block, weight[e]) for e, block in enumerate(blocks)])
+
+
+def _grouped_wgrad(
+    grad: Tensor, x: Tensor, counts: list[int] | Tensor, use_grouped_mm: bool, experts: int
+) -> Tensor:
+    """``[L, out, in]``: ``grad_l^T @ x_l`` over each expert's rows (zeros for an empty one)."""
+    if use_grouped_mm:
+        out: Tensor = torch._grouped_mm(grad.t(), x, offs=_offsets(counts, x.device))
+        return out
+    sizes = counts.tolist() if isinstance(counts, Tensor) else counts
+    pairs = zip(torch.split(grad, sizes), torch.split(x, sizes), strict=True)
+    blocks = [g.t().matmul(block) for g, block in pairs]
+    assert len(blocks) == experts
+    return torch.stack(blocks)
+
+
+class _SplitGroupedLinear(Function):
+    """fwd: :func:`grouped_linear` · bwd: input gradient now, weight gradient queued"""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        counts: list[int] | Tensor,
+        use_grouped_mm: bool,
+        params: tuple[Tensor],
+        store: WeightGradStore,
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight, *([counts] if isinstance(counts, Tensor) else []))
+        ctx.counts = None if isinstance(counts, Tensor) else counts
+        # the parameter in a tuple: an edge to it would run its accumulator (and hooks) in B
+        ctx.fast, ctx.params, ctx.store = use_grouped_mm, params, store
+        return grouped_linear(x, weight, counts, use_grouped_mm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, *device_counts = ctx.saved_tensors
+        counts = device_counts[0] if device_counts else ctx.counts
+        fast, (param,) = ctx.fast, ctx.params
+        grad = grad.contiguous()  # [M, out]
+
+        def wgrad() -> tuple[Tensor | None, ...]:
+            w = _grouped_wgrad(grad, x, counts, fast, weight.shape[0])  # [L, out, in]
+            return (w.view(param.shape).to(param.dtype),)
+
+        ctx.store.defer(wgrad, ctx.params)
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
+        # [M, out] -> [M, in]: rows of expert l times weight[l]
+        grad_x = grouped_linear(grad, weight.transpose(1, 2), counts, fast)
+        return grad_x, None, None, None, None, None
+
+
+def split_grouped_linear(
+    x: Tensor,
+    weight: Tensor,
+    counts: list[int] | Tensor,
+    use_grouped_mm: bool,
+    param: Tensor,
+    store: WeightGradStore,
+) -> Tensor:
+    """:func:`grouped_linear` whose weight gradient ``store`` computes in the W pass.
+
+    ``weight`` is ``[L, out, in]``, a view of the parameter ``param`` (which receives the
+    gradient, in its own shape).
+    """
+    out: Tensor = _SplitGroupedLinear.apply(
+        x, weight.detach(), counts, use_grouped_mm, (param,), store
+    )
+    return out
 
 
 def expert_activation(h: Tensor, gated: bool) -> Tensor:

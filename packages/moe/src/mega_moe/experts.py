@@ -11,6 +11,11 @@ Initialisation does not depend on ep or etp (DESIGN rule 2): GroupedMLP draws th
 ``[E, G, ffn, h]`` tensor and keeps its slice; SequentialMLP draws each expert from a
 generator named after its global index (``local_experts.<e>.weight1``), or, without a
 seed, draws every expert in order from the default generator and keeps its own.
+
+Inside :func:`mega_tp_layers.defer_weight_grads` (zero-bubble pipelines) both leave their
+weight gradients to the store's W pass: the grouped GEMMs through
+:func:`mega_moe._gemm.split_grouped_linear`, the loop's GEMMs through
+:func:`mega_tp_layers.split_linear`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,12 @@ import torch
 from torch import Tensor, nn
 
 from mega_moe._comm import Group, check_group, group_rank, group_size
-from mega_moe._gemm import expert_activation, grouped_linear, grouped_mm_available
+from mega_moe._gemm import (
+    expert_activation,
+    grouped_linear,
+    grouped_mm_available,
+    split_grouped_linear,
+)
 from mega_moe.config import Activation, GroupedGemm
 from mega_moe.expert_shard import EXPERT_ATTR, ExpertShard
 from mega_tp_layers import (
@@ -30,7 +40,9 @@ from mega_tp_layers import (
     ShardedModule,
     ShardSpec,
     creation_generator,
+    current_weight_grad_store,
     init_full,
+    split_linear,
 )
 
 __all__ = ["GroupedMLP", "SequentialMLP"]
@@ -174,8 +186,13 @@ class _Expert(ShardedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[m, h] -> [m, h]`` (partial over etp)."""
-        h = nn.functional.linear(x, self.weight1.flatten(0, 1))  # [m, G*ffn/etp]
-        return nn.functional.linear(expert_activation(h, self.gated), self.weight2)
+        store = current_weight_grad_store() if self.weight1.requires_grad else None
+        w1 = self.weight1.flatten(0, 1)  # [G*ffn/etp, h]
+        if store is None:
+            h = nn.functional.linear(x, w1)  # [m, G*ffn/etp]
+            return nn.functional.linear(expert_activation(h, self.gated), self.weight2)
+        h = split_linear(x, w1, None, store)
+        return split_linear(expert_activation(h, self.gated), self.weight2, None, store)
 
 
 class SequentialMLP(nn.Module):
@@ -315,6 +332,11 @@ class GroupedMLP(ShardedModule):
         _check_tokens("GroupedMLP", x, counts, self.layout)
         fast = self.uses_grouped_mm(x)
         w1 = self.weight1.flatten(1, 2)  # [L, G*ffn/etp, h]
+        store = current_weight_grad_store() if self.weight1.requires_grad else None
+        if store is not None:  # the weight gradients wait for the W pass
+            h = split_grouped_linear(x, w1, counts, fast, self.weight1, store)
+            a = expert_activation(h, self.layout.gated)
+            return split_grouped_linear(a, self.weight2, counts, fast, self.weight2, store)
         h = grouped_linear(x, w1, counts, fast)  # [M, h] -> [M, G*ffn/etp]
         a = expert_activation(h, self.layout.gated)  # -> [M, ffn/etp]
         return grouped_linear(a, self.weight2, counts, fast)  # -> [M, h], partial over etp

@@ -1,10 +1,18 @@
-"""Vocabulary-parallel embedding: each tp rank holds a contiguous slice of the vocabulary."""
+"""Vocabulary-parallel embedding: each tp rank holds a contiguous slice of the vocabulary.
+
+Under :func:`~mega_tp_layers.defer_weight_grads` the lookup has no B work (token ids take
+no gradient): its whole backward is the W pass, the scatter-add of the output gradients
+into the rows of the table the ids selected, run from the store.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from mega_tp_layers._comm import check_divisible_dim0, check_group, group_rank, group_size
@@ -16,8 +24,46 @@ from mega_tp_layers.mappings import (
 from mega_tp_layers.params import ShardedModule, creation_generator
 from mega_tp_layers.shard import ShardSpec
 from mega_tp_layers.vocab import padded_vocab_size, vocab_range
+from mega_tp_layers.wgrad import WeightGradStore, current_weight_grad_store
 
 __all__ = ["VocabParallelEmbedding"]
+
+
+class _SplitLookup(Function):
+    """fwd: ``weight[ids]`` (rows ``outside`` zeroed) · bwd: the table's gradient queued
+
+    ``anchor`` is an empty leaf that requires grad: nothing else does (the ids are integers,
+    the table is detached so that its accumulator waits for W), and without it autograd
+    would not call this backward at all.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        anchor: Tensor,
+        weight: Tensor,
+        ids: Tensor,
+        outside: Tensor | None,
+        params: tuple[Tensor],
+        store: WeightGradStore,
+    ) -> Tensor:
+        ctx.save_for_backward(ids, outside)  # the parameter in a tuple: no edge to it
+        ctx.params, ctx.store, ctx.rows = params, store, weight.shape[0]
+        out = F.embedding(ids, weight)  # [s, b] -> [s, b, h]
+        return out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        ids, outside = ctx.saved_tensors
+        (param,), rows = ctx.params, ctx.rows
+
+        def wgrad() -> tuple[Tensor | None, ...]:
+            g = grad if outside is None else grad.masked_fill(outside.unsqueeze(-1), 0.0)
+            table = torch.zeros(rows, g.shape[-1], dtype=param.dtype, device=g.device)
+            return (table.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1])),)
+
+        ctx.store.defer(wgrad, ctx.params)
+        return None, None, None, None, None, None
 
 
 class VocabParallelEmbedding(ShardedModule):
@@ -77,15 +123,28 @@ class VocabParallelEmbedding(ShardedModule):
             )
         if self.sequence_parallel:
             check_divisible_dim0(ids, self.tp, "VocabParallelEmbedding")
+        store = current_weight_grad_store() if self.weight.requires_grad else None
         if self.tp == 1:
+            if store is not None:
+                return self._lookup(ids, None, store)
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight)  # [s, b] -> [s, b, h], this slice only
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if store is not None:
+            out = self._lookup(local_ids, outside, store)
+        else:
+            out = F.embedding(local_ids, self.weight)  # [s, b] -> [s, b, h], this slice only
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_region(out, self.tp_group)  # -> [s/tp, b, h]
         return reduce_from_tp_region_inplace(out, self.tp_group)  # -> [s, b, h]
+
+    def _lookup(self, ids: Tensor, outside: Tensor | None, store: WeightGradStore) -> Tensor:
+        """The lookup whose table gradient ``store`` computes in the W pass."""
+        anchor = torch.empty(0, device=ids.device, requires_grad=True)
+        w = self.weight.detach()
+        out: Tensor = _SplitLookup.apply(anchor, w, ids, outside, (self.weight,), store)
+        return out
 
     def extra_repr(self) -> str:
         return (

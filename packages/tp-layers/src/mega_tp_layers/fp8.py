@@ -19,6 +19,10 @@ numerics. ``_scaled_mm`` needs every GEMM dimension to be a multiple of 16; a GE
 shapes do not qualify falls back to the high-precision matmul, with one warning per shape,
 and both paths make that choice the same way. Scales stay on the device (no host sync),
 and nothing branches on tensor values, so ``torch.compile`` traces it without breaks.
+
+Under :func:`~mega_tp_layers.defer_weight_grads` (``fp8_linear(..., store=...)``) the
+backward runs the dgrad GEMM and leaves the wgrad GEMM, on the same quantised gradient and
+the forward's fp8 input, to the store's W pass.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from mega_tp_layers._comm import all_reduce_max, group_size
+from mega_tp_layers.wgrad import WeightGradStore
 
 __all__ = [
     "FP8_ALIGNMENT",
@@ -355,8 +360,10 @@ class _Fp8Linear(Function):
         bias: Tensor | None,
         recipe: Fp8Recipe,
         groups: tuple[ProcessGroup | None, ProcessGroup | None, ProcessGroup | None],
+        deferred: tuple[WeightGradStore, Tensor, Tensor | None] | None = None,
     ) -> Tensor:
         ctx.recipe, ctx.x_dtype, ctx.groups = recipe, x.dtype, groups
+        ctx.deferred = deferred  # (store, weight, bias): the W pass runs later from the store
         x_group, w_group, _ = groups
         _check_pair("fp8_linear_forward", x, weight, 1, 1)
         if not fp8_gemm_fits(x.shape[0], x.shape[1], weight.shape[0]):
@@ -376,24 +383,32 @@ class _Fp8Linear(Function):
         recipe: Fp8Recipe = ctx.recipe
         g_group = ctx.groups[2]  # the saved input and weight are quantised already
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = grad_w = grad_b = None
+        if ctx.deferred is not None:
+            need_w, need_b = True, ctx.deferred[2] is not None
+        x: Tensor | Fp8Tensor
+        wq: Fp8Tensor | None = None
+        g: Tensor | Fp8Tensor = grad
         if ctx.quantised:
             x_data, x_inv, w_data, w_inv, weight = ctx.saved_tensors
-            xq, wq = Fp8Tensor(x_data, x_inv), Fp8Tensor(w_data, w_inv)
-            g = shared_grad(grad, weight.shape[1], recipe, g_group) if need_x or need_w else grad
-            if need_x:
-                grad_x = fp8_linear_dgrad(g, weight, recipe, out_dtype=ctx.x_dtype, weight_q=wq)
-            if need_w:
-                grad_w = fp8_linear_wgrad(g, xq, recipe, out_dtype=weight.dtype)
+            x, wq = Fp8Tensor(x_data, x_inv), Fp8Tensor(w_data, w_inv)
+            if need_x or need_w:
+                g = shared_grad(grad, weight.shape[1], recipe, g_group)
         else:
             x, weight = ctx.saved_tensors  # the high-precision fallback: no quantisation
-            if need_x:
-                grad_x = fp8_linear_dgrad(grad, weight, recipe, out_dtype=x.dtype)
-            if need_w:
-                grad_w = fp8_linear_wgrad(grad, x, recipe, out_dtype=weight.dtype)
-        if need_b:
-            grad_b = grad.sum(dim=0)
-        return grad_x, grad_w, grad_b, None, None
+        grad_x = None
+        if need_x:
+            out_dtype = ctx.x_dtype
+            grad_x = fp8_linear_dgrad(g, weight, recipe, out_dtype=out_dtype, weight_q=wq)
+
+        def wgrad() -> tuple[Tensor | None, Tensor | None]:
+            grad_w = fp8_linear_wgrad(g, x, recipe, out_dtype=weight.dtype) if need_w else None
+            return grad_w, grad.sum(dim=0) if need_b else None
+
+        if ctx.deferred is not None:
+            store, w_param, b_param = ctx.deferred
+            store.defer(wgrad, (w_param, b_param))
+            return grad_x, None, None, None, None, None
+        return grad_x, *wgrad(), None, None, None
 
 
 def fp8_linear(
@@ -405,6 +420,7 @@ def fp8_linear(
     x_group: ProcessGroup | None = None,
     w_group: ProcessGroup | None = None,
     g_group: ProcessGroup | None = None,
+    store: WeightGradStore | None = None,
 ) -> Tensor:
     """``F.linear(x, weight, bias)`` with its forward, dgrad and wgrad GEMMs in fp8.
 
@@ -412,6 +428,8 @@ def fp8_linear(
     high-precision sum of the output gradient. ``x_group`` / ``w_group`` / ``g_group``:
     the group that ``x``, ``weight`` or the output gradient is a shard of, so that each is
     scaled as the whole tensor (tensor parallelism then quantises as one process would).
+    With ``store`` (a :class:`~mega_tp_layers.WeightGradStore`) the weight and bias
+    gradients are left to its W pass.
     """
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -419,5 +437,11 @@ def fp8_linear(
             f"{tuple(x.shape)} and {tuple(weight.shape)}; pass a weight of in_features columns"
         )
     x2d = x.reshape(-1, x.shape[-1])  # [..., in] -> [tokens, in]
-    out: Tensor = _Fp8Linear.apply(x2d, weight, bias, recipe, (x_group, w_group, g_group))
+    groups = (x_group, w_group, g_group)
+    if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
+        deferred = (store, weight, bias)
+        w, b = weight.detach(), None if bias is None else bias.detach()
+        out: Tensor = _Fp8Linear.apply(x2d, w, b, recipe, groups, deferred)
+    else:
+        out = _Fp8Linear.apply(x2d, weight, bias, recipe, groups, None)
     return out.view(*x.shape[:-1], weight.shape[0])  # a view outside the Function

@@ -18,6 +18,11 @@ values are the same at any tp; operands every rank holds whole are scaled locall
 
 With ``tp_comm_overlap=True`` (sequence parallel, tp > 1) the sequence all-gather and
 reduce-scatter run as rings of chunks overlapped with the GEMMs (``mega_tp_layers.overlap``).
+
+Inside :func:`~mega_tp_layers.defer_weight_grads` (zero-bubble pipelines) the backward
+computes the input gradient only and leaves the weight GEMM (fp8 too, sequence parallel
+too: see :func:`_column_dgrad_deferring_wgrad`) to the store's W pass; only the
+``tp_comm_overlap`` rings keep their backward fused.
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ class _ColumnParallelMatmul(Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         group, sp, fp8 = ctx.group, ctx.sequence_parallel, ctx.fp8
         if ctx.deferred is not None:
-            return _column_dgrad_deferring_wgrad(ctx.deferred, x, weight, grad, group, sp)
+            return _column_dgrad_deferring_wgrad(ctx.deferred, x, weight, grad, group, sp, fp8)
         total, gather = x, None
         if sp and need_w:  # rebuild the gathered input, overlapped with the dgrad GEMM
             total, gather = all_gather_dim0(x, group, async_op=True)
@@ -151,16 +156,32 @@ def _column_dgrad_deferring_wgrad(
     grad: Tensor,
     group: ProcessGroup,
     sp: bool,
+    fp8: Fp8Recipe | None,
 ) -> tuple[Tensor | None, ...]:
-    """The input gradient now; the weight gradient (SP: from a new all-gather) in the W pass."""
+    """The input gradient now; the weight gradient (SP: from a new all-gather) in the W pass.
+
+    Under SP the W pass gathers the input again rather than keeping the gathered copy:
+    the fused backward gathers it again too (the same traffic, moved from B to W), and
+    keeping it would hold tp times the input per linear for every micro-batch whose W
+    is pending. With ``fp8`` both GEMMs use one quantised gradient, as the fused ones do.
+    """
     store, w_param, b_param = deferred
+    g8: Tensor | Fp8Tensor = grad
+    if fp8 is not None:  # [s*b, out/tp], a shard of the gradient, quantised once
+        g8 = shared_grad(grad, weight.shape[1], fp8, group)
 
     def wgrad() -> tuple[Tensor | None, ...]:
         total = all_gather_dim0(x, group)[0] if sp else x  # [s/tp, b, h] -> [s, b, h]
-        return flat_wgrad(grad, total, b_param is not None)
+        if fp8 is None:
+            return flat_wgrad(grad, total, b_param is not None)
+        grad_w = fp8_linear_wgrad(g8, total, fp8, out_dtype=weight.dtype)
+        return grad_w, grad.sum(dim=0) if b_param is not None else None
 
     store.defer(wgrad, (w_param, b_param))
-    grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
+    if fp8 is None:
+        grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
+    else:
+        grad_input = fp8_linear_dgrad(g8, weight, fp8, out_dtype=x.dtype, w_group=group)
     if sp:
         grad_input = reduce_scatter_dim0(grad_input, group)[0]  # -> [s/tp, b, h]
     else:
@@ -195,21 +216,25 @@ def column_parallel_linear(
     if overlap:
         out = all_gather_linear(x, weight, bias, tp_group=tp_group, fp8=fp8)
         return gather_from_tp_region(out, tp_group) if gather_output else out
-    store = current_weight_grad_store() if fp8 is None else None
+    store = current_weight_grad_store()
     if tp == 1:
-        if store is not None:
-            return split_linear(x, weight, bias, store)
-        return F.linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, bias, recipe=fp8)
+        if fp8 is not None:
+            return fp8_linear(x, weight, bias, recipe=fp8, store=store)
+        return F.linear(x, weight, bias) if store is None else split_linear(x, weight, bias, store)
+    deferred = None
     if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
         deferred = (store, weight, bias)
-        w, b = weight.detach(), None if bias is None else bias.detach()
-        out = _ColumnParallelMatmul.apply(x, w, b, tp_group, sequence_parallel, None, deferred)
-    elif fp8 is None:
-        out = _ColumnParallelMatmul.apply(x, weight, bias, tp_group, sequence_parallel, fp8)
+        weight, bias = weight.detach(), None if bias is None else bias.detach()
+    if fp8 is None:
+        out = _ColumnParallelMatmul.apply(
+            x, weight, bias, tp_group, sequence_parallel, None, deferred
+        )
     else:  # the Function runs on [tokens, h]; gathering dim 0 keeps the sequence-major order
         lead = (x.shape[0] * (group_size(tp_group) if sequence_parallel else 1), *x.shape[1:-1])
         flat = x.reshape(-1, x.shape[-1])  # [s(/tp), b, h] -> [s(/tp)*b, h]
-        out = _ColumnParallelMatmul.apply(flat, weight, bias, tp_group, sequence_parallel, fp8)
+        out = _ColumnParallelMatmul.apply(
+            flat, weight, bias, tp_group, sequence_parallel, fp8, deferred
+        )
         out = out.view(*lead, weight.shape[0])  # [s*b, out/tp] -> [s, b, out/tp]
     if gather_output:
         out = gather_from_tp_region(out, tp_group)  # [s, b, out/tp] -> [s, b, out]
@@ -498,23 +523,27 @@ class RowParallelLinear(ShardedModule):
             return result
         bias = None if self.skip_bias_add else self.bias
         fp8 = self.fp8
-        store = current_weight_grad_store() if fp8 is None else None
+        store = current_weight_grad_store()
         if tp == 1:
+            if fp8 is not None:
+                return fp8_linear(x, self.weight, bias, recipe=fp8, store=store)
             if store is not None:
                 return split_linear(x, self.weight, bias, store)
-            if fp8 is not None:
-                return fp8_linear(x, self.weight, bias, recipe=fp8)
             return F.linear(x, self.weight, bias)
         if self.tp_comm_overlap:  # [s, b, in/tp] -> [s/tp, b, out], ring overlapped
             out = linear_reduce_scatter(x, self.weight, tp_group=group, fp8=fp8)
             return out if bias is None else out + bias
         # [s, b, in/tp] -> [s, b, out], partial over tp
-        if store is not None:
-            partial = split_linear(x, self.weight, None, store)
-        elif fp8 is None:
-            partial = F.linear(x, self.weight)
+        if fp8 is None:
+            partial = (
+                F.linear(x, self.weight)
+                if store is None
+                else split_linear(x, self.weight, None, store)
+            )
         else:  # the input and weight are shards over tp: scaled as the wholes
-            partial = fp8_linear(x, self.weight, recipe=fp8, x_group=group, w_group=group)
+            partial = fp8_linear(
+                x, self.weight, recipe=fp8, x_group=group, w_group=group, store=store
+            )
         if sp:
             out = reduce_scatter_to_sequence_region(partial, group)  # -> [s/tp, b, out]
         else:

@@ -12,8 +12,16 @@ the fused backward would have given and every post-accumulate-grad hook fires th
 
 The decision is taken in forward because a weight that took part in the forward graph
 has its gradient accumulator run in backward even when no gradient reaches it, and a
-data-parallel wrapper counts that as the gradient having arrived. Layers without a split
-(norms, embeddings, experts, FP8 or overlapped GEMMs) keep their fused backward.
+data-parallel wrapper counts that as the gradient having arrived.
+
+Layers that split: the column/row parallel linears (with sequence parallel, whose W pass
+all-gathers the input again as the fused backward does, and with FP8), the
+vocab-parallel embedding (its backward is all W), mega-models' norms and mega-moe's
+experts. Any other module keeps its fused backward inside the context (a pipeline
+schedule treats it as B+W fused): the ``tp_comm_overlap`` rings, Transformer Engine
+layers, and parameters used directly (a learned position table, a router's weight,
+Mamba's conv1d, ``A``/``D``/``dt`` and gated norm). The store knows nothing of the
+layers: each queues a closure and the parameters its results belong to.
 """
 
 from __future__ import annotations
