@@ -130,8 +130,11 @@ class _FusedLinearCrossEntropy(Function):
             grad.scatter_add_(1, local_t[lo:hi, None], -hit[lo:hi, None])
             if eps > 0.0:
                 grad[:, :valid] -= eps / ctx.vocab_size
-            grad.mul_(scale[lo:hi, None])
-            grad_lowp = grad.to(weight.dtype)
+            if grad.dtype == weight.dtype:
+                grad_lowp = grad.mul_(scale[lo:hi, None])
+            else:  # scale and round in one pass
+                grad_lowp = torch.empty_like(grad, dtype=weight.dtype)
+                torch.mul(grad, scale[lo:hi, None], out=grad_lowp)
             del grad
             if grad_x is not None:
                 grad_x[lo:hi] = grad_lowp @ weight  # [c, V/tp] @ [V/tp, h]
