@@ -6,7 +6,8 @@ weight and bias gradients, ``sum(dy * x_hat)`` and ``sum(dy)``; B: the input gra
 closed form), a whole transformer layer under context parallelism (cp 2: attention has
 no weights, its linears and norms are split; the layer's outputs and gradients equal the
 fused ones), and the Mamba-2 mixer, which splits through its column/row linears only:
-its conv1d, ``A_log``, ``D``, ``dt_bias`` and gated-norm weight keep their gradient in B.
+its conv1d, ``A_log``, ``D``, ``dt_bias`` and gated-norm weight keep their gradient in B;
+and whole tiny GPT and hybrid models at tp 1 and tp 2 + SP (embedding, head, everything).
 The forward is the same either way (bitwise); the norms' backward is written out rather
 than aten's kernel, so gradients agree to the rounding bound of
 ``assert_close_to_reference`` with n the chain of sums behind one element.
@@ -130,3 +131,36 @@ def _check_mamba(tp: int, sp: bool) -> None:
 @pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, True)], ids=str)
 def test_mamba_mixer_splits_its_linears(dist_pool: DistPool, tp: int, sp: bool) -> None:
     dist_pool.run(_check_mamba, tp, (tp, sp))
+
+
+def _check_model(family: str, tp: int) -> None:
+    """A whole model: every weight but the Mamba mixers' own waits for W; loss and
+    gradients equal the fused backward's."""
+    from mega_models import GPTModel, HybridModel, hybrid_config
+
+    groups = init_process_groups(ParallelConfig(tp=tp))
+    sp = tp > 1
+    model: nn.Module
+    if family == "gpt":
+        c = model_config("tiny")
+        model = GPTModel(c, groups, sequence_parallel=sp, seed=3)
+    else:
+        c = hybrid_config("hybrid-tiny")
+        model = HybridModel(c, groups, sequence_parallel=sp, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, c.vocab_size, (B, S + 1), generator=gen)
+
+    def forward() -> tuple[Tensor, dict[str, Tensor]]:
+        return model(tokens[:, :-1], tokens[:, 1:]).mean(), {}
+
+    run = fused_and_split(model, forward, torch.ones(()))
+    mixer_own = {n for n in run.fused if n.split(".")[-1] in MAMBA_FUSED}
+    assert run.early == mixer_own, run.early ^ mixer_own
+    assert (family == "hybrid") == bool(mixer_own)
+    _assert_close(run, model_reduction_length(c, seq=S, tokens=S * B), f"{family} tp {tp}")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family", ["gpt", "hybrid"])
+def test_whole_model_split_equals_fused(dist_pool: DistPool, family: str, tp: int) -> None:
+    dist_pool.run(_check_model, tp, (family, tp))
