@@ -24,7 +24,8 @@ def resolve_micro_batch(
     A non-zero ``train.micro_batch_size`` is kept (the line is None). Zero means auto: the
     largest micro-batch that divides each dp rank's share of the global batch (and, with
     interleaving, leaves a multiple of pp micro-batches) whose estimated memory per rank
-    stays within :data:`HEADROOM` of the budget — ``run.memory_gib`` if set, else
+    (:func:`~mega_pretrain.estimate.estimate`, per ``parallel.sharding`` stage, with ZeRO-2/3's
+    memory in flight) stays within :data:`HEADROOM` of the budget — ``run.memory_gib`` if set, else
     ``device_bytes`` (the GPU's memory). Raises one sentence when nothing fits.
     """
     t, p = config.train, config.parallel

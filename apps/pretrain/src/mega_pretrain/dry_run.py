@@ -26,6 +26,10 @@ __all__ = ["LARGE_MODEL_PARAMS", "builtin_corpus_tokens", "data_lines", "dry_run
 LARGE_MODEL_PARAMS = 100_000_000
 
 
+#: ZeRO stage of each ``parallel.sharding``.
+_ZERO = {"optimizer": 1, "gradients": 2, "parameters": 3}
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:8.2f} GiB"
 
@@ -98,10 +102,17 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
         f"parameters: {est.total_params / 1e6:,.1f} M total, ~{est.params_per_rank / 1e6:,.1f} M per rank",
         f"FLOPs per token (fwd+bwd): {est.flops_per_token / 1e9:.3f} GFLOP",
         "memory per rank (estimate, busiest stage):",
+        f"  sharding    {config.parallel.zero_stage} "
+        f"(ZeRO-{_ZERO[config.parallel.zero_stage]}, parallel.sharding)",
         f"  weights     {_gib(est.weights)}",
         f"  gradients   {_gib(est.grads)}",
         f"  optimizer   {_gib(est.optimizer)}",
         f"  activations {_gib(est.activations)}",
+        *(
+            [f"  in flight   {_gib(est.in_flight)} (ZeRO-2/3: buckets reduced, layers gathered)"]
+            if est.in_flight
+            else []
+        ),
         f"  total       {_gib(est.total)}",
         *data_lines(config, est.total_params),
         _logging_line(config),

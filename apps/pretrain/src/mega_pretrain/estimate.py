@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from mega_pretrain.plan import Plan
 from mega_pretrain.runtime import resolve_precision
 
-__all__ = ["Estimate", "estimate"]
+__all__ = ["Estimate", "estimate", "in_flight_bytes"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -23,10 +23,14 @@ class Estimate:
     optimizer: int
     activations: int
     flops_per_token: float
+    in_flight: int = 0
+    """ZeRO-2/3 (``parallel.sharding``): what comes and goes during a step beside the shards
+    above: the full gradients of the buckets being reduced and, for ZeRO-3, the gathered
+    parameters (the root unit, the layer in use and the one prefetched)."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.in_flight
 
 
 def estimate(plan: Plan) -> Estimate:
@@ -38,6 +42,11 @@ def estimate(plan: Plan) -> Estimate:
     (``2 * s * b * h / tp``). 1F1B keeps up to ``pp`` micro-batches in flight on stage 0.
     MoE: routed experts are split over ep x etp (not tp) and their optimizer state over the
     expert-data-parallel ranks; an MoE layer's activations are counted like a dense one's.
+
+    ``parallel.sharding``: bytes per parameter with bf16 weights, fp32 gradients and AdamW
+    are ``2 + 4 + 12/s`` for ``optimizer`` (ZeRO-1), ``2 + 16/s`` for ``gradients`` and
+    ``18/s`` for ``parameters`` (``s``: the ranks sharing the state, dp x cp for dense
+    weights), plus :attr:`Estimate.in_flight` (see :func:`in_flight_bytes`).
     """
     config, model, spec = plan.config, plan.model, plan.spec
     p, t, parallel = config.parallel, config.train, plan.parallel
@@ -47,13 +56,21 @@ def estimate(plan: Plan) -> Estimate:
     per_rank = dense_rank + expert_rank
     precision = resolve_precision(t.precision)
     width = _BYTES[precision]
-    weights = per_rank * width
-    grads = per_rank * 4
     master = 0 if precision == "fp32" else 4
     # dense state is sharded over dp x cp; expert state over the expert-data-parallel ranks
     dp, etp = plan.dp, parallel.expert_tp
     shards = dp * p.cp if p.distributed_optimizer else 1
     expert_shards = max(1, dp * p.cp * p.tp // (p.ep * etp)) if p.distributed_optimizer else 1
+    stage = p.zero_stage
+
+    def sharded(each: int, kinds: tuple[str, ...]) -> int:
+        """Bytes of a tensor of ``each`` bytes per parameter: a shard under the stages in
+        ``kinds``, else whole."""
+        dense = dense_rank * each // (shards if stage in kinds else 1)
+        return dense + expert_rank * each // (expert_shards if stage in kinds else 1)
+
+    weights = sharded(width, ("parameters",))
+    grads = sharded(4, ("gradients", "parameters"))
     optimizer = dense_rank * (master + 8) // shards + expert_rank * (master + 8) // expert_shards
     s, b, h = plan.local_seq_len, t.micro_batch_size, model.hidden_size
     if t.recompute == "full":
@@ -69,5 +86,31 @@ def estimate(plan: Plan) -> Estimate:
     return Estimate(
         total_params=total, params_per_rank=per_rank, weights=weights, grads=grads,
         optimizer=optimizer, activations=activations + logits,
-        flops_per_token=plan.flops_per_token(),
+        flops_per_token=plan.flops_per_token(), in_flight=in_flight_bytes(plan, width),
     )  # fmt: skip
+
+
+def in_flight_bytes(plan: Plan, width: int) -> int:
+    """ZeRO-2/3's memory beside the shards, at its peak (0 for ZeRO-1).
+
+    Gradients: a bucket's full gradients live from its first gradient until its
+    reduce-scatter is done, and at most 3 are alive (2 reducing, 1 accumulating), each
+    ``parallel.bucket_size`` elements or one whole parameter larger than that (the
+    embedding), in fp32. ZeRO-3 also holds the root unit whole for the step (the
+    embedding and, untied at pp 1, the output layer, in ``width`` bytes) and two layers
+    (the one in use and the one prefetched).
+    """
+    config, model, spec = plan.config, plan.model, plan.spec
+    p, stage = config.parallel, config.parallel.zero_stage
+    if stage == "optimizer":
+        return 0
+    dense, expert = spec.params_per_rank(model, plan.parallel, max(plan.rank_layers))
+    per_rank = dense + expert
+    embed = model.vocab_size * model.hidden_size // p.tp
+    matrices = 2 if p.pp == 1 and not model.tie_embeddings else 1
+    layer = max(0, per_rank - matrices * embed) // max(1, max(plan.rank_layers))
+    bucket = min(per_rank, max(p.bucket_size, embed))
+    grads = 3 * bucket * 4
+    if stage == "gradients":
+        return grads
+    return grads + (matrices * embed + 2 * layer) * width
