@@ -51,7 +51,7 @@ def global_grad_norm(
         local = torch.nn.utils.get_total_norm(grads, 2.0).float()
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
-    squared = local * local
+    squared = (local * local).to(device)  # host pieces (offload) reduce on the device
     if dist.get_world_size(group) > 1:
         dist.all_reduce(squared, group=group)
     return squared.sqrt()

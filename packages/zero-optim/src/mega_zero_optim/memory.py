@@ -31,6 +31,10 @@ class MemoryReport:
     """fp32 master copies of this rank's shards (0 when the parameters are fp32 already)."""
     state_bytes: int
     """Optimizer state tensors (Adam moments, SGD momentum, step counters)."""
+    host_bytes: int = 0
+    """``optimizer_offload``: host memory of the masters, their gradients, the upload staging
+    and the optimizer state (then 0 in ``master_bytes`` and ``state_bytes``); not in
+    :attr:`total_bytes`, which counts what the device holds."""
 
     @property
     def total_bytes(self) -> int:
@@ -51,4 +55,5 @@ class MemoryReport:
             f"state {self.state_bytes / n:.2f}",
         ]
         per = f"{self.bytes_per_param:.2f} bytes/param"
-        return f"{per} ({', '.join(parts)}) over {self.num_params:,} params"
+        host = f"; host {self.host_bytes / n:.2f}" if self.host_bytes else ""
+        return f"{per} ({', '.join(parts)}{host}) over {self.num_params:,} params"

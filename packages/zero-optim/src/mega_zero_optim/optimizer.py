@@ -16,6 +16,7 @@ from mega_zero_optim.buffer import ParamAndGradBuffer
 from mega_zero_optim.clip import clip_coefficient, counts_in_norm, global_grad_norm
 from mega_zero_optim.ddp import DistributedDataParallel
 from mega_zero_optim.memory import MemoryReport
+from mega_zero_optim.offload import HostShard, Offloader
 from mega_zero_optim.scaler import DynamicLossScaler
 from mega_zero_optim.shard_range import Range, owned_pieces
 from mega_zero_optim.sharded_bucket import ShardedBucket
@@ -61,6 +62,9 @@ class _Shard:
 
     bucket: Bucket | ShardedBucket
     master: torch.Tensor  # [bucket/dp] fp32; the parameter shard itself for fp32 params
+    order: tuple[int, int]  # (buffer, -bucket): the order the forward uses the shards
+    host: HostShard | None = None  # optimizer_offload: the host side (master is host.master)
+    masters: frozenset[int] = frozenset()  # ids of the pieces' master views in this shard
 
 
 class DistributedOptimizer:
@@ -76,6 +80,14 @@ class DistributedOptimizer:
     ``max_grad_norm``, steps, writes the masters back to the parameters and all-gathers
     them over dp, either at once or, with ``overlap_param_gather``, overlapped with the next
     forward (each module waits for the buckets of its own parameters).
+
+    ``optimizer_offload``: the fp32 masters, their gradients and the optimizer state live in
+    host memory (pinned on CUDA) and the update runs on the CPU; each step copies the reduced
+    gradient shards down and the updated parameter shards up on a side stream, shard by
+    shard in the forward's order, each upload and all-gather overlapping the update of the
+    next shard (see :mod:`mega_zero_optim.offload`). Give the optimizer ``fused=True`` for
+    torch's one-pass multithreaded CPU kernel. The device then holds only the parameter and
+    gradient buffers (:meth:`memory_report`: ``host_bytes``).
     """
 
     def __init__(
@@ -87,6 +99,7 @@ class DistributedOptimizer:
         grad_norm_group: ProcessGroup | None = None,
         loss_scaler: DynamicLossScaler | None = None,
         overlap_param_gather: bool = False,
+        optimizer_offload: bool = False,
     ) -> None:
         ddps = [ddp] if isinstance(ddp, DistributedDataParallel) else list(ddp)
         if overlap_param_gather and any(d.sharding == "parameters" for d in ddps):
@@ -118,6 +131,9 @@ class DistributedOptimizer:
         self.overlap_param_gather = overlap_param_gather
         self.num_steps = 0
         self._device = next((b.device for _, b in self._buffers()), torch.device("cpu"))
+        self._offloader = Offloader(self._device) if optimizer_offload else None
+        #: where the masters and the optimizer state live
+        self._state_device = torch.device("cpu") if optimizer_offload else self._device
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._shards: list[_Shard] = []
         self._master_bytes = 0
@@ -158,23 +174,33 @@ class DistributedOptimizer:
             if not self._counts_replica(d)
             for b in d.param_and_grad_buffers
         }
-        for prefix, buffer in self._buffers():
+        for number, (prefix, buffer) in enumerate(self._buffers()):
             for name, p in zip(buffer.names, buffer.params, strict=True):
                 self._shapes[prefix + name] = tuple(p.shape)
                 found[id(p)] = (prefix + name, [])
             fp32 = buffer.param_dtype == torch.float32
             size = sum(b.shard.size for b in buffer.buckets)
-            masters = None if fp32 else torch.empty(size, dtype=torch.float32, device=buffer.device)
+            masters = None
+            if not fp32 and self._offloader is None:
+                masters = torch.empty(size, dtype=torch.float32, device=buffer.device)
             self._master_bytes += 0 if masters is None else masters.numel() * 4
             offset = 0
             for bucket in buffer.buckets:
-                if masters is None:
+                host = None
+                grads = bucket.grad_shard
+                if self._offloader is not None:
+                    pin = self._offloader.cuda
+                    host = HostShard(bucket.param_shard, bucket.grad_shard, pin=pin)
+                    master, grads = host.master, host.grad
+                elif masters is None:
                     master = bucket.param_shard
                 else:
                     master = masters[offset : offset + bucket.shard.size]
                     master.copy_(bucket.param_shard)
                     offset += bucket.shard.size
-                self._shards.append(_Shard(bucket, master))
+                shard = _Shard(bucket, master, (number, -bucket.index), host)
+                self._shards.append(shard)
+                mine: list[int] = []
                 for piece in owned_pieces(buffer.ranges, bucket.shard):
                     p = buffer.params[piece.index]
                     local = piece.in_buffer.shift(bucket.shard.start)
@@ -184,10 +210,12 @@ class DistributedOptimizer:
                             name=name,
                             in_param=piece.in_param,
                             master=master[local.start : local.end],
-                            grad=bucket.grad_shard[local.start : local.end],
+                            grad=grads[local.start : local.end],
                             counts=counts_in_norm(p) and id(buffer) not in uncounted,
                         )
                     )
+                    mine.append(id(into[-1].master))
+                shard.masters = frozenset(mine)
         return found
 
     def _counts_replica(self, ddp: DistributedDataParallel) -> bool:
@@ -226,6 +254,8 @@ class DistributedOptimizer:
         for ddp in self.ddps:
             ddp.finish_param_sync()  # the last gather reads the shards about to be written
             ddp.finish_grad_sync()
+        if self._offloader is not None:
+            self._offloader.grads_down([s.host for s in self._shards if s.host is not None])
         for piece in self._pieces:
             piece.master.grad = (
                 piece.grad if piece.grad.dtype == torch.float32 else piece.grad.float()
@@ -252,21 +282,51 @@ class DistributedOptimizer:
             # the fused kernel divides each gradient by grad_scale as it reads it: clipping
             # costs no extra pass over the gradients
             self.optimizer.grad_scale = torch.tensor(  # type: ignore[attr-defined]
-                1.0 / coefficient, dtype=torch.float32, device=self._device
+                1.0 / coefficient, dtype=torch.float32, device=self._state_device
             )
         elif coefficient < 1.0:
             torch._foreach_mul_(grads, coefficient)
         try:
-            self.optimizer.step()
+            if self._offloader is None:
+                self.optimizer.step()
+            else:
+                self._step_offloaded(self._offloader)
         finally:
             if hasattr(self.optimizer, "grad_scale"):
                 del self.optimizer.grad_scale
         self._drop_grads()
+        if self._offloader is None:
+            self._write_back()
+        self._gather_params(wait=not self.overlap_param_gather)
+        return StepResult(True, norm, scale)
+
+    def _write_back(self) -> None:
+        """Copy the masters into the parameter shards (nothing for fp32 on the device)."""
         for shard in self._shards:
             if shard.master.data_ptr() != shard.bucket.param_shard.data_ptr():
                 shard.bucket.param_shard.copy_(shard.master)
-        self._gather_params(wait=not self.overlap_param_gather)
-        return StepResult(True, norm, scale)
+
+    def _step_offloaded(self, offloader: Offloader) -> None:
+        """Step one shard at a time in the forward's order; each one's upload and
+        all-gather are launched at once, overlapping the next shard's update (the update is
+        elementwise, so stepping the pieces shard by shard is the same update)."""
+        groups = self.optimizer.param_groups
+        try:
+            for shard in sorted(self._shards, key=lambda s: s.order):
+                subset = [
+                    {**g, "params": [m for m in g["params"] if id(m) in shard.masters]}
+                    for g in groups
+                ]
+                self.optimizer.param_groups = [g for g in subset if g["params"]]
+                if self.optimizer.param_groups:
+                    self.optimizer.step()
+                assert shard.host is not None
+                offloader.params_up(shard.host)
+                bucket = shard.bucket
+                if not (isinstance(bucket, ShardedBucket) and bucket.shard_params):
+                    bucket.start_param_sync()  # ZeRO-3 gathers on use
+        finally:
+            self.optimizer.param_groups = groups
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -276,6 +336,8 @@ class DistributedOptimizer:
         without an optimizer state); otherwise the next step writes the old masters back.
         fp32 parameters are their own masters and need nothing.
         """
+        if self._offloader is not None:
+            self._offloader.wait()
         for shard in self._shards:
             if shard.master.data_ptr() != shard.bucket.param_shard.data_ptr():
                 shard.master.copy_(shard.bucket.param_shard)
@@ -378,12 +440,14 @@ class DistributedOptimizer:
         )
         for ddp in self.ddps:
             ddp.finish_param_sync()
+        if self._offloader is not None:
+            self._offloader.wait()
         for group in self.optimizer.param_groups:
             on_device = bool(group.get("capturable") or group.get("fused"))
             for master in group["params"]:
                 piece = self._piece_of[id(master)]
                 values, piece_state = assemble_piece(
-                    shards, piece.name, piece.in_param, self._device
+                    shards, piece.name, piece.in_param, master.device
                 )
                 master.copy_(values)
                 for key, value in piece_state.items():  # torch keeps scalar steps on the CPU
@@ -397,9 +461,7 @@ class DistributedOptimizer:
         self.num_steps = int(shards[0]["num_steps"])
         if self.loss_scaler is not None and shards[0]["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(shards[0]["loss_scaler"])
-        for shard in self._shards:
-            if shard.master.data_ptr() != shard.bucket.param_shard.data_ptr():
-                shard.bucket.param_shard.copy_(shard.master)
+        self._write_back()
         self._gather_params(wait=True)
 
     # memory ------------------------------------------------------------------------------
@@ -413,12 +475,15 @@ class DistributedOptimizer:
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )
+        offloaded = self._offloader is not None
+        host = sum(s.host.nbytes for s in self._shards if s.host is not None)
         return MemoryReport(
             num_params=sum(b.num_params for b in buffers),
             param_bytes=sum(b.param_bytes for b in buffers),
             grad_bytes=sum(b.grad_bytes for b in buffers),
             master_bytes=self._master_bytes,
-            state_bytes=state_bytes,
+            state_bytes=0 if offloaded else state_bytes,
+            host_bytes=host + (state_bytes if offloaded else 0),
         )
 
 
