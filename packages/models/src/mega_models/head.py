@@ -138,9 +138,9 @@ def lm_head(
     cost of recomputing each chunk's logits in backward. 0: the output layer, then the loss.
     """
     hidden = final_norm(hidden)
-    weight = output.weight if output is not None else tied_weight
-    assert weight is not None
     if labels is not None and loss_chunk_size > 0:
+        weight = output.weight if output is not None else tied_weight
+        assert weight is not None
         loss = fused_linear_cross_entropy(
             hidden, weight, labels.t(), tp_group, sequence_parallel=sequence_parallel,
             chunk_size=loss_chunk_size, vocab_size=vocab_size,
@@ -150,8 +150,9 @@ def lm_head(
     if output is not None:
         logits = output(hidden)  # [s(/tp), b, h] -> [s, b, V_pad/tp]
     else:
+        assert tied_weight is not None
         logits = column_parallel_linear(
-            hidden, weight, tp_group=tp_group, sequence_parallel=sequence_parallel
+            hidden, tied_weight, tp_group=tp_group, sequence_parallel=sequence_parallel
         )
     if labels is None:
         return logits.transpose(0, 1)  # [b, s, V_pad/tp]
