@@ -166,6 +166,22 @@ SUITES: dict[str, Suite] = {
         ("split eager", 300, "python3 bench/split_backward.py --size 1b-bench --mb 8"),
         ("split compile", 420, "python3 bench/split_backward.py --size 1b-bench --mb 8 --compile"),
     ],
+    # ZeRO stages on one GPU (issue 21): the overhead of parameter sharding at dp 1 (tokens/s,
+    # peak memory; eager, since train.compile is refused under ZeRO-3), the compiled ZeRO-1
+    # step for scale, and the trainer's CLI at ZeRO-3 through its end-of-run checkpoint
+    "zero": [
+        *[
+            (f"1b-bench {stage}", 240, f"{_STEP} --size 1b-bench --mb 8 "
+                                       f"--set parallel.sharding={stage}")
+            for stage in ("optimizer", "gradients", "parameters")
+        ],
+        ("1b-bench optimizer compile", 240, f"{_STEP} --size 1b-bench --mb 8 --compile"),
+        ("trainer 1b-bench zero3", 300,
+         "python3 -m mega_pretrain --model.size 1b-bench --train.micro_batch_size 8 "
+         "--train.global_batch_size 8 --train.seq_len 2048 --train.steps 12 "
+         "--train.log_interval 4 --train.eval_interval 0 --checkpoint.save_interval 0 "
+         "--parallel.sharding parameters --run.out_dir /tmp/runs --run.name z-zero3"),
+    ],
     # two GPUs (nvidia-h200-x2): data, tensor and pipeline parallel side by side
     "two-gpu": [
         ("dp 2", 240, f"{_TORCHRUN2} bench/mega_step.py --size 1b-bench --mb 8 --compile"),
