@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -223,21 +224,25 @@ SETTINGS = ["--train.steps", "100000", "--train.log_interval", "1", "--train.seq
             "--checkpoint.save_interval", "2", "--checkpoint.async_save", "true",
             "--checkpoint.keep_last", "1", "--run.name", "bg"]  # fmt: skip
 
-#: The trainer, with the second save's background write held after its tensor files are
-#: written: until SIGTERM reached the trainer (``stop``), or for ever (``kill``).
+#: The trainer, with a save's background write held after its tensor files are written:
+#: the first save's until SIGTERM reached the trainer (``stop``), the second's for ever
+#: (``kill``, which needs a committed checkpoint before it). SIGUSR1 prints every thread's
+#: stack (the watchdog's last word before it kills a trainer that did not end).
 CHILD = """
-import sys, threading
+import faulthandler, signal, sys, threading
 from mega_pretrain.ckpt import async_save
 from mega_pretrain import signals
 from mega_pretrain.cli import main
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 held, writes = threading.Event(), []
 original_write, original_handle = async_save._StagedWriter.write_data, signals.StopRequest._handle
+hold = 1 if sys.argv[1] == "stop" else 2
 
 def write_data(self, plan, planner):
     done = original_write(self, plan, planner)
     writes.append(1)
-    if len(writes) == 2:
+    if len(writes) == hold:
         print("WRITING", flush=True)
         held.wait()
     return done
@@ -260,23 +265,30 @@ def _env() -> dict[str, str]:
 
 
 def _run_until_held(tmp_path: Path, how: str, sig: signal.Signals) -> tuple[int, str]:
-    """Start the trainer, send ``sig`` once the second save's write is held: (code, log)."""
+    """Start the trainer, send ``sig`` once the held write began: (code, log with the
+    seconds since the start on each line)."""
     command = [sys.executable, "-c", CHILD, how, *SETTINGS]
     with subprocess.Popen(
         command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     ) as proc:  # fmt: skip
-        watchdog = threading.Timer(TIMEOUT_S, proc.kill)  # no hang if the write never comes
+
+        def stop_hung() -> None:  # no hang if the write never comes; the stacks say where
+            proc.send_signal(signal.SIGUSR1)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+        watchdog = threading.Timer(TIMEOUT_S, stop_hung)
         watchdog.start()
+        start, lines = time.perf_counter(), []
         try:
             assert proc.stdout is not None
-            lines = []
             for line in proc.stdout:
-                lines.append(line)
+                lines.append(f"{time.perf_counter() - start:7.1f} {line}")
                 if line.startswith("WRITING"):
                     proc.send_signal(sig)
-                    break
-            lines.append(proc.stdout.read())
             proc.wait()
         finally:
             watchdog.cancel()
@@ -309,12 +321,12 @@ def test_sigterm_during_the_background_write_saves_and_waits(tmp_path: Path) -> 
     code, log = _run_until_held(tmp_path, "stop", signal.SIGTERM)
     assert code == 0, log
     assert "stopped by SIGTERM" in log
-    assert "checkpoint step_00000004 committed" in log  # the held save, then the last one
+    assert "checkpoint step_00000002 committed" in log  # the held save, then the last one
     end = dict(
         line.split("=", 1) for line in (tmp_path / "runs/bg/run_end").read_text().splitlines()
     )
     step = int(end["step"])
     ckpts = tmp_path / "runs/bg/checkpoints"
-    assert step > 4 and end["state"] == "stopped" and end["checkpoint"] == f"step_{step:08d}"
+    assert step > 2 and end["state"] == "stopped" and end["checkpoint"] == f"step_{step:08d}"
     assert latest_checkpoint(tmp_path / "runs/bg") == ckpts / f"step_{step:08d}"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", f"step_{step:08d}"]

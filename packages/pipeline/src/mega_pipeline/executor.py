@@ -23,6 +23,7 @@ from mega_pipeline.memory import backward_from, deallocate_output
 from mega_pipeline.order import Action
 from mega_pipeline.p2p import P2PCommunicator
 from mega_pipeline.plan import Message, Step, virtual_stage
+from mega_pipeline.zero_bubble import zbv_stage
 
 __all__ = ["Hooks", "run_plan"]
 
@@ -86,8 +87,10 @@ class _Runner:
         forward_only: bool,
         hooks: Hooks,
         split_backward: SplitBackward | None,
+        v_shape: bool,
     ) -> None:
         self.split_backward = split_backward
+        self.v_shape = v_shape
         self.forward_step = forward_step
         self.chunks = chunks
         self.data_iterators = data_iterators
@@ -102,15 +105,30 @@ class _Runner:
         self.pending: tuple[Any, ...] | None = None  # an exchange posted before W passes
 
     def _stage(self, chunk: int) -> int:
+        if self.v_shape:
+            return zbv_stage(self.pp, self.pp_rank, chunk)
         return virtual_stage(self.pp, self.pp_rank, chunk)
+
+    def _chunk(self, stage: int) -> int:
+        if self.v_shape:
+            return int(stage >= self.pp)
+        return stage // self.pp
 
     def _sent(self, message: Message) -> Key:
         """(microbatch, local chunk) of a message this rank sends."""
-        return message.microbatch, message.src_stage // self.pp
+        return message.microbatch, self._chunk(message.src_stage)
 
     def _received(self, message: Message) -> Key:
         """(microbatch, local chunk) of a message this rank receives."""
-        return message.microbatch, message.dst_stage // self.pp
+        return message.microbatch, self._chunk(message.dst_stage)
+
+    def _payload(self, message: Message | None) -> Tensor | None:
+        if message is None:
+            return None
+        key = self._sent(message)
+        if message.kind == "activation":
+            return self.state.outputs[key]
+        return self.state.input_grads.pop(key)
 
     def exchange(self, step: Step) -> None:
         """Run the step's exchange; before a W pass only post it (:meth:`finish_exchange`
@@ -134,35 +152,43 @@ class _Runner:
         ex = step.exchange
         assert self.comm is not None, "a plan with exchanges needs a communicator"
         s = self.state
-        out_key = None if ex.send_next is None else self._sent(ex.send_next)
-        grad_key = None if ex.send_prev is None else self._sent(ex.send_prev)
-        in_key = None if ex.recv_prev is None else self._received(ex.recv_prev)
-        back_key = None if ex.recv_next is None else self._received(ex.recv_next)
-        posted = self.comm.start_exchange(
-            send_next=None if out_key is None else s.outputs[out_key],
-            send_prev=None if grad_key is None else s.input_grads.pop(grad_key),
-            recv_prev=in_key is not None,
-            recv_next=back_key is not None,
-            # a gradient has the shape of the activation it belongs to (kept when freed)
-            recv_next_shape=None if back_key is None else s.outputs[back_key].shape,
+        # a gradient has the shape of the activation it belongs to (kept when freed)
+        back = ex.recv_next
+        back_shape = (
+            s.outputs[self._received(back)].shape
+            if back is not None and back.kind == "gradient"
+            else None
         )
-        return posted, out_key, in_key, back_key
+        posted = self.comm.start_exchange(
+            send_next=self._payload(ex.send_next),
+            send_prev=self._payload(ex.send_prev),
+            recv_prev=ex.recv_prev is not None,
+            recv_next=back is not None,
+            recv_next_shape=back_shape,
+        )
+        return posted, ex
 
     def _finish(self, pending: tuple[Any, ...]) -> None:
-        posted, out_key, in_key, back_key = pending
+        posted, ex = pending
         s = self.state
         from_prev, from_next = posted.wait()
-        if out_key is not None:
+        for sent in (ex.send_next, ex.send_prev):
+            if sent is None or sent.kind != "activation":
+                continue
+            out_key = self._sent(sent)
             if self.forward_only:
                 del s.outputs[out_key]
             else:  # a view is swapped for a freed viewless alias: the view object is dropped
                 s.outputs[out_key] = deallocate_output(s.outputs[out_key])
-        if in_key is not None:
-            assert from_prev is not None
-            s.inputs[in_key] = from_prev.requires_grad_(not self.forward_only)
-        if back_key is not None:
-            assert from_next is not None
-            s.output_grads[back_key] = from_next
+        for message, tensor in ((ex.recv_prev, from_prev), (ex.recv_next, from_next)):
+            if message is None:
+                continue
+            assert tensor is not None
+            key = self._received(message)
+            if message.kind == "activation":
+                s.inputs[key] = tensor.requires_grad_(not self.forward_only)
+            else:
+                s.output_grads[key] = tensor
 
     def forward(self, action: Action) -> None:
         s = self.state
@@ -202,6 +228,11 @@ class _Runner:
                         "(a first stage with no layers returns its input batch unchanged); "
                         "give that stage at least one layer with parameters"
                     )
+                if self.v_shape and stage == self.pp - 1:  # the V turns: chunk 1 of this rank
+                    turned = output.detach().requires_grad_(not self.forward_only)
+                    s.inputs[(action.microbatch, 1)] = turned
+                    if self.forward_only:
+                        return
                 s.outputs[key] = output
                 return
             loss, logs = _split_loss(loss_func(output))
@@ -228,9 +259,12 @@ class _Runner:
         if stage > 0:
             assert input_tensor is not None
             input_grad = input_tensor.grad
-            s.input_grads[key] = (
-                input_grad if input_grad is not None else torch.zeros_like(input_tensor)
-            )
+            if input_grad is None:
+                input_grad = torch.zeros_like(input_tensor)
+            if self.v_shape and stage == self.pp:  # back through the V's turn, on this rank
+                s.output_grads[(action.microbatch, 0)] = input_grad
+            else:
+                s.input_grads[key] = input_grad
 
     def weight(self, action: Action, last_of_chunk: bool) -> None:
         """The W pass: the weight gradients the microbatch's backward left behind."""
@@ -271,11 +305,14 @@ def run_plan(
     forward_only: bool,
     hooks: Hooks,
     split_backward: SplitBackward | None = None,
+    v_shape: bool = False,
 ) -> list[dict[str, Tensor]]:
     """Follow ``steps`` on this rank; return the per-microbatch losses on the last stage.
 
     A plan with W actions needs ``split_backward``: each forward runs inside it and each W
-    runs what it yielded.
+    runs what it yielded. ``v_shape``: the two chunks form the V of ZBV/DualPipeV (chunk 1
+    is virtual stage ``2 pp - 1 - pp_rank``; on the last rank chunk 0's output feeds
+    chunk 1 directly).
     """
     has_w = any(step.action is not None and step.action.kind == "W" for step in steps)
     if has_w != (split_backward is not None and not forward_only):
@@ -295,6 +332,7 @@ def run_plan(
         forward_only=forward_only,
         hooks=hooks,
         split_backward=split_backward,
+        v_shape=v_shape,
     )
     last, ends = _last_of_chunk(steps)
     for i, step in enumerate(steps):

@@ -19,21 +19,27 @@ def broadcast_losses(
     pp_group: ProcessGroup,
     *,
     device: torch.device | str | None = None,
+    src: int | None = None,
 ) -> list[dict[str, Tensor]]:
     """Give every rank of ``pp_group`` the losses the schedule returned on its last rank.
 
     Call on every rank of the group with what the schedule returned there (an empty list
     except on the last rank). Each value must be a scalar; they come back as fp32
     scalars on ``device`` (default: the current CUDA device under NCCL, else the CPU).
-    Three small broadcasts; nothing is sent when the group has one rank.
+    Three small broadcasts; nothing is sent when the group has one rank. ``src``: the pp
+    rank that holds the losses (default the last; 0 for the V schedules, ZBV and
+    DualPipeV, whose last stage is rank 0's second chunk).
     """
     size = dist.get_world_size(pp_group)
     if size == 1:
         return list(losses)
     if device is None:
         device = group_device(pp_group)
-    src = dist.get_global_rank(pp_group, size - 1)
-    is_src = dist.get_rank(pp_group) == size - 1
+    holder = size - 1 if src is None else src
+    if not 0 <= holder < size:
+        raise ValueError(f"src ({src}) must be a pp rank in 0..{size - 1}")
+    is_src = dist.get_rank(pp_group) == holder
+    src = dist.get_global_rank(pp_group, holder)
     names = sorted(losses[0]) if is_src and losses else []
     if is_src:
         for record in losses:

@@ -15,8 +15,17 @@ from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 from mega_pipeline.order import Action
+from mega_pipeline.zero_bubble import zbv_stage
 
-__all__ = ["Exchange", "Message", "Step", "build_plan", "simulate_plans", "virtual_stage"]
+__all__ = [
+    "Exchange",
+    "Message",
+    "Step",
+    "build_plan",
+    "simulate_plans",
+    "stage_rank",
+    "virtual_stage",
+]
 
 
 class Message(NamedTuple):
@@ -31,16 +40,22 @@ class Message(NamedTuple):
 
 
 class Exchange(NamedTuple):
-    """One batched exchange with the neighbours; posted in this field order."""
+    """One batched exchange with the neighbours; posted in this field order.
+
+    Fields are named for the neighbour: in the straight pipeline (and the interleaved
+    one) activations go to the next pp rank and gradients to the previous one; in the V
+    of ZBV/DualPipeV chunk 1 runs back, so its activations go to the previous rank and
+    its gradients to the next.
+    """
 
     send_next: Message | None
-    """Activation to the next virtual stage (pp rank + 1, wrapping to chunk + 1)."""
+    """Message to the next pp rank (an activation; in the V a chunk-1 gradient)."""
     send_prev: Message | None
-    """Gradient to the previous virtual stage."""
+    """Message to the previous pp rank (a gradient; in the V a chunk-1 activation)."""
     recv_prev: Message | None
-    """Activation from the previous virtual stage."""
+    """Message from the previous pp rank (an activation; in the V a chunk-1 gradient)."""
     recv_next: Message | None
-    """Gradient from the next virtual stage."""
+    """Message from the next pp rank (a gradient; in the V a chunk-1 activation)."""
 
     def is_empty(self) -> bool:
         """True when nothing is sent or received."""
@@ -62,34 +77,82 @@ def virtual_stage(pp: int, pp_rank: int, chunk: int) -> int:
     return chunk * pp + pp_rank
 
 
-def _produces(
-    action: Action, pp: int, vpp: int, pp_rank: int
+def _stage(pp: int, pp_rank: int, chunk: int, v_shape: bool) -> int:
+    return zbv_stage(pp, pp_rank, chunk) if v_shape else virtual_stage(pp, pp_rank, chunk)
+
+
+def stage_rank(pp: int, stage: int, v_shape: bool = False) -> int:
+    """The pp rank that holds virtual ``stage``: ``stage % pp``, or in the V the mirror
+    ``2 pp - 1 - stage`` for the second half."""
+    if v_shape and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
+def _route(message: Message, pp: int, v_shape: bool) -> str | None:
+    """``"next"`` or ``"prev"``: the neighbour ``message`` travels to; None when it stays
+    on this rank (the V's turn on the last rank)."""
+    src = stage_rank(pp, message.src_stage, v_shape)
+    dst = stage_rank(pp, message.dst_stage, v_shape)
+    if src == dst:
+        return None
+    if v_shape:  # forward along the V: up through chunk 0, back down through chunk 1
+        return "next" if dst == src + 1 else "prev"
+    return "next" if message.dst_stage > message.src_stage else "prev"
+
+
+def _place(
+    message: Message | None, pp: int, v_shape: bool
 ) -> tuple[Message | None, Message | None]:
-    s = virtual_stage(pp, pp_rank, action.chunk)
-    if action.kind == "W":  # weight gradients stay on the rank
+    """(to or from the next rank, to or from the previous rank)."""
+    if message is None:
         return None, None
-    if action.kind == "F":
-        nxt = Message("activation", action.microbatch, s, s + 1) if s < pp * vpp - 1 else None
-        return nxt, None
-    prev = Message("gradient", action.microbatch, s, s - 1) if s > 0 else None
-    return None, prev
+    route = _route(message, pp, v_shape)
+    if route is None:
+        return None, None
+    return (message, None) if route == "next" else (None, message)
+
+
+def _produces(
+    action: Action, pp: int, vpp: int, pp_rank: int, v_shape: bool = False
+) -> tuple[Message | None, Message | None]:
+    """(for the next rank, for the previous rank)."""
+    s = _stage(pp, pp_rank, action.chunk, v_shape)
+    message: Message | None = None
+    if action.kind == "F" and s < pp * vpp - 1:
+        message = Message("activation", action.microbatch, s, s + 1)
+    elif action.kind == "B" and s > 0:
+        message = Message("gradient", action.microbatch, s, s - 1)
+    return _place(message, pp, v_shape)  # a W's weight gradients stay on the rank
 
 
 def _needs(
-    action: Action, pp: int, vpp: int, pp_rank: int
+    action: Action, pp: int, vpp: int, pp_rank: int, v_shape: bool = False
 ) -> tuple[Message | None, Message | None]:
-    s = virtual_stage(pp, pp_rank, action.chunk)
-    if action.kind == "W":
+    """(from the previous rank, from the next rank)."""
+    s = _stage(pp, pp_rank, action.chunk, v_shape)
+    message: Message | None = None
+    if action.kind == "F" and s > 0:
+        message = Message("activation", action.microbatch, s - 1, s)
+    elif action.kind == "B" and s < pp * vpp - 1:
+        message = Message("gradient", action.microbatch, s + 1, s)
+    if message is None:
         return None, None
-    if action.kind == "F":
-        prev = Message("activation", action.microbatch, s - 1, s) if s > 0 else None
-        return prev, None
-    nxt = Message("gradient", action.microbatch, s + 1, s) if s < pp * vpp - 1 else None
-    return None, nxt
+    src = stage_rank(pp, message.src_stage, v_shape)
+    if src == pp_rank:
+        return None, None
+    to_next, to_prev = _place(message, pp, v_shape)
+    return (to_next, None) if to_next is not None else (None, to_prev)
 
 
 def build_plan(
-    actions: Sequence[Action], pp: int, vpp: int, pp_rank: int, *, pair_from: int | None = None
+    actions: Sequence[Action],
+    pp: int,
+    vpp: int,
+    pp_rank: int,
+    *,
+    pair_from: int | None = None,
+    v_shape: bool = False,
 ) -> list[Step]:
     """The steps rank ``pp_rank`` runs: before each slot of actions, one exchange.
 
@@ -104,7 +167,13 @@ def build_plan(
     carry its exchange: the executor posts it, runs the W passes while it is in flight and
     waits for it before that action, so a B's gradient leaves at once and the next input
     arrives behind the W passes.
+
+    ``v_shape``: the two chunks of each rank form the V of ZBV and DualPipeV (chunk 1 is
+    virtual stage ``2 pp - 1 - pp_rank``, :func:`~mega_pipeline.zbv_stage`); the last
+    rank's chunk 0 hands its output to its own chunk 1 with no message.
     """
+    if v_shape and vpp != 2:
+        raise ValueError(f"the V of ZBV/DualPipeV has 2 chunks per rank, not vpp {vpp}")
     slots: list[list[Action]] = []
     waiting: list[Action] = []  # W passes for the next slot
     for i, action in enumerate(actions):
@@ -124,7 +193,8 @@ def build_plan(
         recv_prev: Message | None = None
         recv_next: Message | None = None
         for action in slot:
-            need_prev, need_next = _needs(action, pp, vpp, pp_rank)
+            need_prev, need_next = _needs(action, pp, vpp, pp_rank, v_shape)
+            assert not (recv_prev and need_prev) and not (recv_next and need_next), slot
             recv_prev = recv_prev or need_prev
             recv_next = recv_next or need_next
         exchange = Exchange(sends[0], sends[1], recv_prev, recv_next)
@@ -133,7 +203,8 @@ def build_plan(
         send_next: Message | None = None
         send_prev: Message | None = None
         for action in slot:
-            made_next, made_prev = _produces(action, pp, vpp, pp_rank)
+            made_next, made_prev = _produces(action, pp, vpp, pp_rank, v_shape)
+            assert not (send_next and made_next) and not (send_prev and made_prev), slot
             send_next = send_next or made_next
             send_prev = send_prev or made_prev
         sends = (send_next, send_prev)
