@@ -1,15 +1,21 @@
-"""ZB-H1 through the trainer: ``parallel.pp_schedule = "zb-h1"`` trains the tiny GPT as one process.
+"""The zero-bubble schedules through the trainer: ``parallel.pp_schedule`` ``zb-h1``, ``zbv``
+and ``dualpipev`` train the tiny GPT (and, for the V schedules, the tiny MoE) as one
+process.
 
-Reuses the layout contract of ``test_gpt_training_layouts`` (3 AdamW steps; losses, gradient
-norms and final weights against plain gradient accumulation on one process). The GPT's
-column/row linears defer their weight gradients into the W passes, and so do its norms
-and embedding. With dp 2 the DDP buckets of the deferred weights are
-reduced in the last W. Bad schedule choices fail at config time, one sentence each.
+Reuses the layout contracts of ``test_gpt_training_layouts`` and ``test_moe_training`` (3
+AdamW steps; losses, gradient norms and final weights against plain gradient accumulation
+on one process). The GPT's column/row linears defer their weight gradients into the W
+passes, and so do its norms and embedding. With dp 2 the DDP buckets of the
+deferred weights are reduced from the chunk's last W (overlap_grad_reduce): every bucket's
+reduction has started before the optimizer waits for them. The V schedules (vpp 2: rank r
+holds virtual stages r and 2 pp - 1 - r) run at pp 2. Bad schedule choices fail at config
+time, one sentence each.
 """
 
 from __future__ import annotations
 
 import pytest
+import test_moe_training as moe
 from test_gpt_training_layouts import _check, _parallel
 
 from mega_parallel_grid.testing import DistPool
@@ -18,10 +24,17 @@ from mega_pretrain.config import load_config
 from mega_pretrain.plan import Plan
 from mega_pretrain.validate import check_config
 
+ZBV = {"pp": 2, "vpp": 2, "pp_schedule": "zbv"}
+DUALPIPEV = {"pp": 2, "vpp": 2, "pp_schedule": "dualpipev"}
 LAYOUTS = [
     ({"pp": 2, "pp_schedule": "zb-h1"}, 1),
     ({"pp": 2, "pp_schedule": "zb-h1"}, 2),
     ({"tp": 2, "pp": 2, "sequence_parallel": True, "pp_schedule": "zb-h1"}, 1),
+    (ZBV, 1),
+    (ZBV, 2),  # 2 micro-batches per dp rank; overlap_grad_reduce on (the default)
+    ({**ZBV, "overlap_grad_reduce": False}, 2),
+    ({**ZBV, "tp": 2, "sequence_parallel": True}, 1),
+    (DUALPIPEV, 1),  # 4 micro-batches = 2 pp
 ]
 
 
@@ -30,6 +43,42 @@ def test_zb_h1_training_matches_single_process(
     dist_pool: DistPool, layout: dict[str, object], dp: int
 ) -> None:
     _check(dist_pool, layout, {}, dp)
+
+
+@pytest.mark.parametrize("layout", [ZBV, DUALPIPEV], ids=["zbv", "dualpipev"])
+def test_v_schedules_train_moe_as_one_process(
+    dist_pool: DistPool, layout: dict[str, object]
+) -> None:
+    """Mixtral-style tiny MoE, 4 layers (one per virtual stage), 8 micro-batches of 1."""
+    moe._check(dist_pool, layout, {**moe.MIXTRAL, "num_layers": 4}, 1, micro=1)
+
+
+def _unlaunched_buckets() -> list[int]:
+    """For each step, the gradient buckets whose reduction the hooks had not started when
+    the optimizer came to wait for them (zbv, dp 2, overlap_grad_reduce on)."""
+    from mega_zero_optim import DistributedDataParallel
+    from mega_zero_optim.bucket import BucketState
+
+    counts: list[int] = []
+    finish = DistributedDataParallel.finish_grad_sync
+
+    def counted(self: DistributedDataParallel) -> None:
+        states = [b.state for b in self._buckets()]
+        counts.append(sum(state is BucketState.ACCUMULATING for state in states))
+        finish(self)
+
+    DistributedDataParallel.finish_grad_sync = counted  # type: ignore[method-assign]
+    try:
+        _parallel(ZBV, {})
+    finally:
+        DistributedDataParallel.finish_grad_sync = finish  # type: ignore[method-assign]
+    return counts
+
+
+def test_zbv_reduces_gradients_from_the_last_w(dist_pool: DistPool) -> None:
+    """The DDP hooks fire in the schedule: after each chunk's last W every bucket is on its way."""
+    for counts in dist_pool.run(_unlaunched_buckets, 4):
+        assert counts and set(counts) == {0}, counts
 
 
 def _deferred_weight_grads() -> int:
@@ -74,8 +123,24 @@ def test_zb_h1_in_the_dry_run_plan() -> None:
     assert _plan(2, pp=2).bubble_fraction == pytest.approx(1 / (8 + 1))  # 1F1B unchanged
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_in_the_dry_run_plan(schedule: str) -> None:
+    plan = _plan(2, pp=2, vpp=2, pp_schedule=schedule)  # 8 micro-batches, 12 chunk-units each
+    assert plan.schedule_name.startswith({"zbv": "ZBV", "dualpipev": "DualPipeV"}[schedule])
+    assert plan.bubble_fraction == pytest.approx(1 / (6 * 8 + 1))  # the last rank's wait
+    assert plan.rank_layers == (4, 4)  # rank 0: stages 0 and 3, rank 1: stages 1 and 2
+
+
 BAD = {
-    "zbv": ({"pp": 2, "vpp": 2, "pp_schedule": "zbv"}, "'zbv' has a pure order"),
+    "zbv without vpp": ({"pp": 2, "pp_schedule": "zbv"}, "'zbv' runs two chunks per rank in a V"),
+    "dualpipev at vpp 4": (
+        {"pp": 2, "vpp": 4, "pp_schedule": "dualpipev"},
+        "'dualpipev' runs two chunks per rank in a V, but vpp is 4; set --parallel.vpp 2",
+    ),
+    "zbv without pp": (
+        {"pp": 1, "vpp": 2, "pp_schedule": "zbv"},
+        r"vpp \(2\) needs pipeline parallelism, but pp is 1",
+    ),
     "interleaved without vpp": (
         {"pp": 2, "pp_schedule": "interleaved"},
         "'interleaved' with vpp None: 'interleaved' needs vpp > 1",
@@ -85,6 +150,27 @@ BAD = {
     "unknown": ({"pp": 2, "pp_schedule": "dualpipe"}, "must be one of"),
 }
 RECOMPUTE = "but train.recompute 'full' reruns that forward in backward"
+
+
+def test_dualpipev_needs_two_pp_micro_batches() -> None:
+    overrides = [("train.global_batch_size", "2"), ("train.micro_batch_size", "1")]
+    overrides += [
+        ("parallel.pp", "2"),
+        ("parallel.vpp", "2"),
+        ("parallel.pp_schedule", "dualpipev"),
+    ]
+    config = load_config(None, overrides)
+    expected = r"'dualpipev' needs at least 2 \* pp \(4\) micro-batches per step, but there are 2"
+    with pytest.raises(ValueError, match=expected):
+        check_config(config, gpt_config(config), 2)
+
+
+def test_v_schedules_refuse_tied_embeddings() -> None:
+    overrides = [("train.global_batch_size", "8"), ("train.micro_batch_size", "1")]
+    overrides += [("parallel.pp", "2"), ("parallel.vpp", "2"), ("parallel.pp_schedule", "zbv")]
+    config = load_config(None, [*overrides, ("model.tie_embeddings", "true")])
+    with pytest.raises(ValueError, match="puts the embedding and the output layer in two chunks"):
+        check_config(config, gpt_config(config), 2)
 
 
 def test_zb_h1_refuses_full_recompute() -> None:

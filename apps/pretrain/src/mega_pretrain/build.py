@@ -113,7 +113,10 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
     chunks: list[ModelChunk] = []
     for index in range(vpp or 1):
         split = p.pp_layers or None  # None: an even split
-        stage = stage_spec(model.num_layers, pp, groups.rank("pp"), vpp, index, split)
+        rank = groups.rank("pp")
+        if index == 1 and p.pp_schedule in ("zbv", "dualpipev"):  # the V: stage 2 pp - 1 - rank
+            rank = pp - 1 - rank
+        stage = stage_spec(model.num_layers, pp, rank, vpp, index, split)
         chunk = spec.build(
             model, groups, stage, cp_method=p.cp_method, fp8=t.fp8,
             tp_comm_overlap=p.tp_comm_overlap, **kwargs,

@@ -52,11 +52,13 @@ class ParallelSection:
     """Expert tensor-parallel size (default: tp)."""
     vpp: int | None = None
     """Virtual pipeline chunks per pp rank (interleaved 1F1B)."""
-    pp_schedule: Literal["auto", "1f1b", "interleaved", "zb-h1", "zbv"] = "auto"
+    pp_schedule: Literal["auto", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"] = "auto"
     """Pipeline schedule: ``auto`` (interleaved with vpp > 1, else 1F1B), ``1f1b``,
     ``interleaved`` (needs vpp > 1), ``zb-h1`` (1F1B with the linears' weight gradients
-    deferred into the cool-down; vpp unset) or ``zbv`` (two chunks in a V; order only,
-    not runnable yet)."""
+    deferred into the cool-down; vpp unset), ``zbv`` (zero bubble in a V) or ``dualpipev``
+    (DeepSeek's V-shaped DualPipe; at least 2 pp micro-batches). The V schedules need vpp 2:
+    rank r holds virtual stages r and 2 pp - 1 - r, so rank 0 holds the embedding and the
+    output layer."""
     pp_layers: tuple[int, ...] = ()
     """Layers per virtual stage, in pipeline order (``pp * vpp`` counts adding up to the
     layers), e.g. ``13,11`` to give the last stage, which also holds the output layer and
@@ -92,12 +94,13 @@ class ParallelSection:
         chunks, choice = self.vpp or 1, self.pp_schedule
         if choice == "auto":
             return "interleaved" if chunks > 1 else "1f1b"
-        if choice == "zbv":
-            raise ValueError(
-                "parallel.pp_schedule 'zbv' has a pure order (mega_pipeline.zbv_order) but no "
-                "executor yet; use 'zb-h1', or 'interleaved' with vpp 2"
-            )
-        if (choice == "interleaved") != (chunks > 1):
+        if choice in ("zbv", "dualpipev"):
+            if self.vpp != 2:
+                raise ValueError(
+                    f"parallel.pp_schedule {choice!r} runs two chunks per rank in a V, but vpp "
+                    f"is {self.vpp}; set --parallel.vpp 2"
+                )
+        elif (choice == "interleaved") != (chunks > 1):
             raise ValueError(
                 f"parallel.pp_schedule {choice!r} with vpp {self.vpp}: 'interleaved' needs "
                 "vpp > 1 and '1f1b'/'zb-h1' run one chunk per rank; set vpp to match"

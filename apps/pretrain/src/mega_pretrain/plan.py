@@ -14,6 +14,7 @@ from mega_models import GPTConfig
 from mega_models.spec import LayoutRequest, ModelSpec, resolve_model, spec_for
 from mega_models.stages import stage_layer_counts
 from mega_parallel_grid import ParallelConfig, RankLayout
+from mega_pipeline import dualpipev_order, unit_times, zbv_order
 from mega_pretrain.config import TrainerConfig
 
 __all__ = ["Plan", "plan_for"]
@@ -67,6 +68,10 @@ class Plan:
     def rank_layers(self) -> tuple[int, ...]:
         """Layers held by each pp rank (the sum of its virtual stages)."""
         pp, chunks = self.parallel.pp, self.parallel.vpp or 1
+        if self.config.parallel.pp_schedule in ("zbv", "dualpipev"):  # the V
+            return tuple(
+                self.stage_layers[r] + self.stage_layers[2 * pp - 1 - r] for r in range(pp)
+            )
         return tuple(sum(self.stage_layers[c * pp + r] for c in range(chunks)) for r in range(pp))
 
     @property
@@ -86,6 +91,10 @@ class Plan:
             return "no pipelining"
         if self.config.parallel.pp_schedule == "zb-h1":
             return "ZB-H1 (1F1B, weight gradients deferred)"
+        if self.config.parallel.pp_schedule == "zbv":
+            return "ZBV (two chunks in a V, weight gradients deferred)"
+        if self.config.parallel.pp_schedule == "dualpipev":
+            return "DualPipeV (two chunks in a V, F+B pairs run in turn)"
         return f"interleaved 1F1B (vpp {p.vpp})" if p.vpp and p.vpp > 1 else "1F1B"
 
     @property
@@ -96,11 +105,19 @@ class Plan:
         interleaved schedule shrinks the bubble ``vpp`` times: ``(p - 1) / (vpp * m + p - 1)``
         (the ``(p - 1) / (vpp * m)`` of bubble to work, as a share of the step). ZB-H1:
         ``(p - 1) / (3m + p - 1)`` with equal F, B and W times (the order's figure, unmeasured
-        on GPUs). 0 without a pipeline; needs
-        a concrete micro-batch.
+        on GPUs). ZBV, DualPipeV: the idle share of all ranks' orders replayed together with
+        equal F, B and W chunk passes (``1 - 6m / units``; ``(p - 1) / (6m + p - 1)`` for
+        the cases the pipeline tests check). 0 without a pipeline; needs a concrete
+        micro-batch.
         """
         p, m = self.parallel.pp, self.microbatches
         chunks = self.parallel.vpp or 1
+        v_order = {"zbv": zbv_order, "dualpipev": dualpipev_order}.get(
+            self.config.parallel.pp_schedule
+        )
+        if v_order is not None and p > 1:
+            starts = unit_times([v_order(p, r, m) for r in range(p)], 2, v_shape=True)
+            return 1 - 6 * m / (max(max(s) for s in starts) + 1)
         if self.config.parallel.pp_schedule == "zb-h1":  # F = B = W: p - 1 idle units of 3m + p - 1
             return (p - 1) / (3 * m + p - 1)
         return (p - 1) / (chunks * m + p - 1)

@@ -17,7 +17,9 @@ from mega_parallel_grid import ProcessGroups
 from mega_pipeline import (
     P2PCommunicator,
     broadcast_losses,
+    forward_backward_dualpipev,
     forward_backward_zb_h1,
+    forward_backward_zbv,
     get_forward_backward_func,
 )
 from mega_pretrain.build import Built
@@ -89,8 +91,11 @@ class StepRunner:
         self.pp = groups.size("pp")
         vpp = len(built.chunks) if len(built.chunks) > 1 else None
         self.schedule = get_forward_backward_func(self.pp, vpp)
-        if built.pp_schedule == "zb-h1" and self.pp > 1:  # the linears' W passes deferred
-            self.schedule = partial(forward_backward_zb_h1, split_backward=defer_weight_grads)
+        split = {"zb-h1": forward_backward_zb_h1, "zbv": forward_backward_zbv,
+                 "dualpipev": forward_backward_dualpipev}.get(built.pp_schedule)  # fmt: skip
+        if split is not None and self.pp > 1:  # the linears' W passes deferred
+            self.schedule = partial(split, split_backward=defer_weight_grads)
+        self.loss_rank = 0 if built.pp_schedule in ("zbv", "dualpipev") else None  # the V
         local = seq_len // self.cp
         if sequence_parallel:
             local //= groups.size("tp")
@@ -145,7 +150,7 @@ class StepRunner:
             no_sync_func=None if forward_only else no_sync,
             grad_scale_func=optimizer.scale_loss if optimizer.loss_scaler is not None else None,
         )
-        losses = broadcast_losses(losses, self.groups.pp, device=self.device)
+        losses = broadcast_losses(losses, self.groups.pp, device=self.device, src=self.loss_rank)
         self.last_losses = losses
         mean = torch.stack([d["loss"] for d in losses]).mean()
         if self.groups.size("dp_cp") > 1:  # the logged loss: mean over the global batch

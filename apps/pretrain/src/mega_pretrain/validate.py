@@ -16,6 +16,25 @@ from mega_pretrain.sharding import check_sharding
 __all__ = ["check_config"]
 
 
+def _check_v_schedule(schedule: str, microbatches: int, pp: int, model: GPTConfig) -> None:
+    """ZBV/DualPipeV: the V puts the first and last stages on pp rank 0, as two chunks."""
+    if schedule not in ("zbv", "dualpipev"):
+        return
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        raise ValueError(
+            f"parallel.pp_schedule 'dualpipev' needs at least 2 * pp ({2 * pp}) micro-batches "
+            f"per step, but there are {microbatches}; raise train.global_batch_size or lower "
+            "micro_batch_size"
+        )
+    if model.tie_embeddings or model.mtp_num_layers > 0:
+        raise ValueError(
+            f"parallel.pp_schedule {schedule!r} puts the embedding and the output layer in two "
+            "chunks of pp rank 0, which do not share a tied weight (model.tie_embeddings "
+            f"{model.tie_embeddings}, model.mtp_num_layers {model.mtp_num_layers}); untie them "
+            "or use pp_schedule 'zb-h1'"
+        )
+
+
 def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Plan:
     """Raise ValueError (one sentence naming the values) for any inconsistent setting;
     return the run's plan (dp, micro-batches, stage split, ...), checked."""
@@ -38,13 +57,15 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             f"{t.micro_batch_size * dp}"
         )
     microbatches = plan.microbatches
-    if p.resolved_pp_schedule() == "zb-h1" and t.recompute == "full":  # fits vpp and pp
+    schedule = p.resolved_pp_schedule()  # fits vpp and pp
+    if schedule in ("zb-h1", "zbv", "dualpipev") and t.recompute == "full":
         raise ValueError(
-            "parallel.pp_schedule 'zb-h1' defers the weight gradients of the forward's linears, "
-            "but train.recompute 'full' reruns that forward in backward, where nothing defers; "
-            "use train.recompute 'selective' or 'none', or pp_schedule '1f1b'"
+            f"parallel.pp_schedule {schedule!r} defers the weight gradients of the forward's "
+            "linears, but train.recompute 'full' reruns that forward in backward, where nothing "
+            "defers; use train.recompute 'selective' or 'none', or pp_schedule '1f1b'"
         )
-    if p.vpp and microbatches % p.pp:
+    _check_v_schedule(schedule, microbatches, p.pp, model)
+    if schedule == "interleaved" and microbatches % p.pp:
         raise ValueError(
             f"the interleaved schedule needs micro-batches per step ({microbatches}) to be a "
             f"multiple of pp ({p.pp}); raise train.global_batch_size or lower micro_batch_size"
