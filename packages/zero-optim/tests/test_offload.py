@@ -9,7 +9,7 @@ buckets and two parameter groups (the offloaded update steps shard by shard).
 CUDA (marked; the lead runs it on the GPU, it has not run here): the on-device update runs
 torch's CUDA AdamW, the offloaded one the CPU kernel, so they agree to rounding: the bound
 of ``assert_close_to_reference`` with n = the steps' chain of sums (as in test_contract).
-Also checked there: the host tensors are pinned, the optimizer state is on the CPU, and the
+Also checked there: the host masters are pinned, the optimizer state is on the CPU, and the
 parameter shards stay on the GPU.
 """
 
@@ -104,7 +104,8 @@ def _train(
         "num_pieces": len(masters),
         "staging": dtype != torch.float32,
         "host_devices": {str(t.device) for t in masters + moments},
-        "pinned": all(t.is_pinned() for t in masters + moments) if offload else None,
+        # the masters (and gradients) travel; the moments, made by the optimizer, stay put
+        "pinned": all(t.is_pinned() for t in masters) if offload else None,
         "shard_devices": {str(s.device) for s in shards},
         "masters_in_buffers": any(m.untyped_storage().data_ptr() in buffer_ptrs for m in masters),
     }

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mega_zero_optim.hsdp import ChainedWork, all_reduce_grads, reduce_grads
+from mega_zero_optim.hsdp import all_reduce_grads, reduce_grads
 from mega_zero_optim.shard_range import Range, shard_of
 
 __all__ = ["Bucket", "BucketState"]
@@ -66,7 +66,7 @@ class Bucket:
         self.grad_shard = grad_data[self.shard.start : self.shard.end]
         self.state = BucketState.ACCUMULATING
         self._waiting: set[int] = set(param_ids)
-        self._grad_work: dist.Work | ChainedWork | None = None
+        self._grad_work: dist.Work | None = None
         self._param_work: dist.Work | None = None
 
     def mark_ready(self, param_id: int) -> bool:

@@ -9,54 +9,21 @@ sends ``dp_shard`` times more bytes over the replicate group, which spans nodes 
 shard group is a node (the layout's default): the order here is the one whose slow-link
 traffic is smallest, as in Megatron's partial distributed optimizer and FSDP2's HSDP.
 Parameters are all-gathered within the shard group only; replicas compute the same update.
+
+The all-reduce is launched right behind the reduce-scatter, after waiting for it: on NCCL
+that wait only orders the streams (the host goes on with backward), on gloo it blocks the
+host until the reduce-scatter is done. Launching it later, when the reduce-scatter is found
+complete, would let ranks launch their buckets' all-reduces in different orders, which the
+collectives of one group must not.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["ChainedWork", "all_reduce_grads", "broadcast_from_first", "reduce_grads"]
-
-
-class ChainedWork:
-    """Two collectives, the second launched once the first has finished.
-
-    On CUDA the second is launched at once behind the first (``wait`` orders the streams
-    without blocking the host); elsewhere it is launched when the first is found complete
-    (:meth:`is_completed`) or waited for (:meth:`wait`), so backward is not blocked.
-    """
-
-    def __init__(self, first: dist.Work, then: Callable[[], dist.Work], *, eager: bool) -> None:
-        self._first: dist.Work | None = first
-        self._then = then
-        self._second: dist.Work | None = None
-        if eager:
-            self._advance()
-
-    def _advance(self) -> None:
-        if self._first is not None:
-            self._first.wait()
-            self._first = None
-            self._second = self._then()
-
-    def is_completed(self) -> bool:
-        """True when both have finished (launches the second once the first is done)."""
-        if self._first is not None:
-            if not self._first.is_completed():
-                return False
-            self._advance()
-        assert self._second is not None
-        return bool(self._second.is_completed())
-
-    def wait(self) -> bool:
-        """Wait for both."""
-        self._advance()
-        assert self._second is not None
-        return bool(self._second.wait())
+__all__ = ["all_reduce_grads", "broadcast_from_first", "reduce_grads"]
 
 
 def reduce_grads(
@@ -64,7 +31,7 @@ def reduce_grads(
     grads: torch.Tensor,
     shard_group: ProcessGroup,
     replicate_group: ProcessGroup | None,
-) -> dist.Work | ChainedWork:
+) -> dist.Work:
     """Sum ``grads`` ``[bucket]`` over every dp rank into this rank's shard ``out``
     ``[bucket/dp_shard]``, asynchronously: reduce-scatter within ``shard_group``, then
     all-reduce across ``replicate_group`` (when given)."""
@@ -80,7 +47,7 @@ def reduce_grads(
 
 def all_reduce_grads(
     grads: torch.Tensor, shard_group: ProcessGroup, replicate_group: ProcessGroup | None
-) -> dist.Work | ChainedWork:
+) -> dist.Work:
     """Sum ``grads`` over every dp rank in place (plain DDP): within the shard group, then
     across the replicas."""
     first = dist.all_reduce(grads, group=shard_group, async_op=True)
@@ -89,15 +56,14 @@ def all_reduce_grads(
 
 def _then_across(
     first: dist.Work, tensor: torch.Tensor, replicate_group: ProcessGroup | None
-) -> dist.Work | ChainedWork:
+) -> dist.Work:
     """``first``, followed by the all-reduce of ``tensor`` across the replicas (if any)."""
     if replicate_group is None or dist.get_world_size(replicate_group) == 1:
         return first
-    return ChainedWork(
-        first,
-        lambda: dist.all_reduce(tensor, group=replicate_group, async_op=True),
-        eager=tensor.is_cuda,
-    )
+    first.wait()  # see the module doc: the same launch order on every rank
+    work = dist.all_reduce(tensor, group=replicate_group, async_op=True)
+    assert work is not None, "async_op returns a work"
+    return work
 
 
 def broadcast_from_first(

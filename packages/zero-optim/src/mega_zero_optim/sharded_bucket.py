@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from mega_zero_optim.bucket import BucketState
-from mega_zero_optim.hsdp import ChainedWork, reduce_grads
+from mega_zero_optim.hsdp import reduce_grads
 from mega_zero_optim.shard_range import Range, shard_of
 
 __all__ = ["ShardedBucket", "free_storage", "storage_bytes"]
@@ -100,7 +100,7 @@ class ShardedBucket:
         self._touched = False  # a gradient arrived since the last reduce-scatter
         self._shard_holds = False  # grad_shard holds reduced gradients since zero_grad
         self._grad_out: torch.Tensor | None = None
-        self._grad_work: dist.Work | ChainedWork | None = None
+        self._grad_work: dist.Work | None = None
         self._param_work: dist.Work | None = None
         self._backward_waiting: set[int] = set(self.param_ids)
 
