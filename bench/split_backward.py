@@ -94,7 +94,9 @@ def main() -> None:
     plan = plan_for(config, dist.get_world_size())
     config = replace(config, train=replace(config.train, global_batch_size=args.mb * plan.dp))
     if args.compile:  # the fused and the split forward are two variants of every layer
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        cfg = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, limit, max(getattr(cfg, limit), 64))
     groups = init_process_groups(plan.parallel)
     built = build(config, groups, device)
     model, ddps = built.chunks[0], built.ddps
