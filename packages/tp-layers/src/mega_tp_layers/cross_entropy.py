@@ -21,6 +21,35 @@ from mega_tp_layers._comm import all_reduce, group_rank, group_size
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
+def target_columns(
+    targets: Tensor, start: int, per_rank: int, vocab_size: int, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each target's column in this rank's ``[start, start + per_rank)`` (0 where it is not
+    here), whether it is not here, and whether it is no rank's (outside the real
+    vocabulary and not ``ignore_index``: its loss is +inf, as nothing can be checked on the
+    host without a sync)."""
+    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
+    outside = (targets < start) | (targets >= start + per_rank) | bad
+    return (targets - start).masked_fill(outside, 0), outside, bad
+
+
+def token_loss(
+    log_z: Tensor,
+    stats: Tensor,
+    label_smoothing: float,
+    vocab_size: int,
+    ignored: Tensor,
+    bad: Tensor,
+) -> Tensor:
+    """Per-token loss from the global log-partition and ``stats`` (target logit first, the
+    sum of real logits third with smoothing), each relative to the same shift."""
+    loss = log_z - stats[0]
+    if label_smoothing > 0.0:
+        smooth = log_z - stats[2] / vocab_size  # mean over the vocabulary of -log p
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+    return loss.masked_fill(ignored, 0.0).masked_fill(bad, float("inf"))
+
+
 class _VocabParallelCrossEntropy(Function):
     """fwd: loss from a MAX and a SUM all-reduce over tp · bwd: local softmax - target, no comm"""
 
@@ -45,11 +74,7 @@ class _VocabParallelCrossEntropy(Function):
         if tp > 1:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         shifted.sub_(top.unsqueeze(-1))
-        # a target outside the real vocabulary (in the padding or beyond) is no rank's: its
-        # loss is +inf below, as nothing can be checked on the host without a sync
-        bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
-        outside = (targets < start) | (targets >= start + per_rank) | bad
-        local_t = (targets - start).masked_fill(outside, 0)
+        local_t, outside, bad = target_columns(targets, start, per_rank, vocab_size, ignore_index)
         target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
         smooth_sum = shifted[..., :valid].sum(dim=-1) if label_smoothing > 0.0 else None
         exp = shifted.exp_()  # padding columns: exp(-inf) = 0
@@ -60,12 +85,8 @@ class _VocabParallelCrossEntropy(Function):
         if tp > 1:
             all_reduce(stats, group)
         log_z = stats[1].log()
-        loss = log_z - stats[0]
-        if label_smoothing > 0.0:
-            smooth = log_z - stats[2] / vocab_size  # mean over the vocabulary of -log p
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
         ignored = targets == ignore_index
-        loss = loss.masked_fill(ignored, 0.0).masked_fill(bad, float("inf"))
+        loss = token_loss(log_z, stats, label_smoothing, vocab_size, ignored, bad)
         softmax = exp.div_(stats[1].unsqueeze(-1))
         ctx.save_for_backward(softmax, local_t, outside, ignored)
         ctx.label_smoothing, ctx.valid, ctx.vocab_size = label_smoothing, valid, vocab_size

@@ -26,7 +26,12 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from mega_tp_layers._comm import all_reduce, all_reduce_max, group_rank, group_size
-from mega_tp_layers.cross_entropy import check_targets_dtype, check_vocab
+from mega_tp_layers.cross_entropy import (
+    check_targets_dtype,
+    check_vocab,
+    target_columns,
+    token_loss,
+)
 from mega_tp_layers.mappings import copy_to_tp_region, gather_from_sequence_region
 
 __all__ = ["fused_linear_cross_entropy"]
@@ -79,9 +84,7 @@ class _FusedLinearCrossEntropy(Function):
         per_rank, tokens = weight.shape[0], hidden.shape[0]
         start = rank * per_rank
         valid = min(max(vocab_size - start, 0), per_rank)  # real (unpadded) columns here
-        bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
-        outside = (targets < start) | (targets >= start + per_rank) | bad
-        local_t = (targets - start).masked_fill(outside, 0)
+        local_t, outside, bad = target_columns(targets, start, per_rank, vocab_size, ignore_index)
         f32, dev = torch.float32, hidden.device
         lse = torch.full((tokens,), float("-inf"), dtype=f32, device=dev)  # this rank's
         # per token: target logit, sum of exp (filled at tp > 1), sum of real logits
@@ -102,12 +105,8 @@ class _FusedLinearCrossEntropy(Function):
             stats[1] = (lse - top).exp()
             all_reduce(stats, group)
             lse = top + stats[1].log()
-        loss = lse - stats[0]
-        if label_smoothing > 0.0:
-            smooth = lse - stats[2] / vocab_size  # mean over the vocabulary of -log p
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
         ignored = targets == ignore_index
-        loss = loss.masked_fill(ignored, 0.0).masked_fill(bad, float("inf"))
+        loss = token_loss(lse, stats, label_smoothing, vocab_size, ignored, bad)
         ctx.save_for_backward(hidden, weight, lse, local_t, outside, ignored)
         ctx.chunk, ctx.label_smoothing = chunk, label_smoothing
         ctx.valid, ctx.vocab_size = valid, vocab_size
