@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mega_pretrain.ckpt.async_save import AsyncSaver
 
 
 def _sibling(name: str) -> ModuleType:
@@ -70,12 +72,19 @@ def _weights(run: Any) -> Weights:
 
 
 def _save(run_dir: str, layout: dict[str, object]) -> tuple[Weights, State, float, Weights]:
-    a = _Run(layout, MODEL)
+    a = _Run({k: v for k, v in layout.items() if k != "async"}, MODEL)
     for step in range(2):
         a.step(step)
-    save_checkpoint(Path(run_dir), 2, a.built, a.groups, a.state())
     saved, state = _weights(a), _full_state(a)
-    loss = a.step(2)
+    if layout.get("async"):  # step 2 runs while the background write goes on
+        saver = AsyncSaver(pin=False, timeout=timedelta(minutes=4))
+        saver.save(Path(run_dir), 2, a.built, a.groups, a.state())
+        loss = a.step(2)
+        assert saver.wait() is not None
+        saver.close()
+    else:
+        save_checkpoint(Path(run_dir), 2, a.built, a.groups, a.state())
+        loss = a.step(2)
     return saved, state, loss, _weights(a)
 
 
@@ -94,6 +103,7 @@ ZERO2 = {"sharding": "gradients"}
 ZERO3 = {"sharding": "parameters"}
 CASES = [  # (saved at, world), [(loaded at, world), ...]
     ((ZERO3, 2), [(ZERO1, 2), (ZERO1, 1), (ZERO2, 2)]),
+    (({**ZERO3, "async": True}, 2), [(ZERO1, 2)]),  # checkpoint.async_save's path
     ((ZERO1, 2), [(ZERO3, 2)]),
     ((ZERO1, 1), [(ZERO3, 2)]),
 ]
@@ -102,7 +112,12 @@ CASES = [  # (saved at, world), [(loaded at, world), ...]
 @pytest.mark.parametrize(
     ("saved_at", "loaded_at"),
     CASES,
-    ids=["zero3-dp2-to-zero1-dp2-one-zero2-dp2", "zero1-dp2-to-zero3-dp2", "one-to-zero3-dp2"],
+    ids=[
+        "zero3-dp2-to-zero1-dp2-one-zero2-dp2",
+        "zero3-dp2-async-to-zero1-dp2",
+        "zero1-dp2-to-zero3-dp2",
+        "one-to-zero3-dp2",
+    ],
 )
 def test_checkpoints_reshard_between_zero_stages(
     dist_pool: DistPool,
