@@ -173,9 +173,12 @@ def test_v_schedules_refuse_tied_embeddings() -> None:
         check_config(config, gpt_config(config), 2)
 
 
-def test_zb_h1_refuses_full_recompute() -> None:
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv", "dualpipev"])
+def test_split_schedules_refuse_full_recompute(schedule: str) -> None:
     overrides = [("train.global_batch_size", "8"), ("train.micro_batch_size", "1")]
-    overrides += [("parallel.pp", "2"), ("parallel.pp_schedule", "zb-h1")]
+    overrides += [("parallel.pp", "2"), ("parallel.pp_schedule", schedule)]
+    if schedule != "zb-h1":
+        overrides.append(("parallel.vpp", "2"))
     config = load_config(None, [*overrides, ("train.recompute", "full")])
     with pytest.raises(ValueError, match=RECOMPUTE):
         check_config(config, gpt_config(config), 2)

@@ -111,3 +111,10 @@ def test_timed_plans_refuse_orders_that_wait_forever() -> None:
     orders = [[Action("F", 0, 0), Action("B", 0, 1)], [Action("B", 0, 0), Action("F", 0, 0)]]
     with pytest.raises(ValueError, match="wait on each other forever"):
         build_timed_plans(orders, 2, v_shape=True)
+
+
+def test_build_plan_v_shape_needs_two_chunks() -> None:
+    from mega_pipeline import build_plan
+
+    with pytest.raises(ValueError, match="the V of ZBV/DualPipeV has 2 chunks per rank, not vpp 3"):
+        build_plan(zbv_order(2, 0, 2), 2, 3, 0, v_shape=True)

@@ -217,3 +217,20 @@ def test_v_schedule_takes_two_chunks(schedule: Callable[..., Any]) -> None:
             model=nn.Linear(1, 1),
             num_microbatches=1,
         )
+
+
+def _check_variable_shapes_refused() -> None:
+    group = dist.new_group([0])
+    comm = P2PCommunicator(group, variable_shapes=True)
+    with pytest.raises(ValueError, match="sends activations both ways, which needs a fixed"):
+        forward_backward_zbv(
+            forward_step=lambda it, c: (torch.zeros(()), lambda o: o),
+            data_iterator=[None, None],
+            model=[nn.Linear(1, 1), nn.Linear(1, 1)],
+            num_microbatches=1,
+            communicator=comm,
+        )
+
+
+def test_v_schedule_refuses_variable_shapes(dist_pool: DistPool) -> None:
+    dist_pool.run(_check_variable_shapes_refused, 1)
