@@ -50,8 +50,10 @@ def _addmm_fp32(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc += a @ b`` into the fp32 accumulator ``acc``."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif a.is_cuda:
+    elif a.is_cuda and not torch.compiler.is_compiling():
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    elif a.is_cuda:  # dynamo cannot trace addmm's out_dtype with out= (torch 2.11, the H200)
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
     else:
         acc.add_(torch.mm(a, b))
 
