@@ -22,6 +22,11 @@ from mega_pretrain.config import load_config
 from mega_pretrain.phase_timer import PHASES, PhaseTimer, breakdown_text
 from mega_pretrain.train import train
 
+try:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+except ImportError:  # an image without tensorboard: the trainer writes JSONL only
+    EventAccumulator = None
+
 KEYS = [f"{name}_ms" for name in PHASES]
 
 
@@ -52,7 +57,7 @@ def _train(out_dir: str, extra: list[tuple[str, str]]) -> str:
     settings = [
         ("train.steps", "6"), ("train.log_interval", "2"), ("train.seq_len", "32"),
         ("train.micro_batch_size", "2"), ("train.global_batch_size", "4"),
-        ("train.eval_interval", "0"), ("run.tensorboard", "false"), ("model.num_layers", "2"),
+        ("train.eval_interval", "0"), ("run.tensorboard", "true"), ("model.num_layers", "2"),
         ("checkpoint.save_interval", "2"), ("run.out_dir", out_dir), ("run.name", "timed"),
     ]  # fmt: skip
     buffer = io.StringIO()
@@ -79,3 +84,12 @@ def test_the_trainer_logs_the_breakdown(
     pattern = r"data \d+\.\d fb \d+\.\d opt \d+\.\d( ckpt \d+\.\d)? ms  eta"
     assert all(re.search(pattern, line) for line in steps), printed
     assert " ckpt " in steps[1] and " ckpt " in steps[2], printed
+    if EventAccumulator is None:
+        return
+    events = EventAccumulator(str(tmp_path / "timed/tensorboard"))
+    events.Reload()
+    for key in KEYS:  # the same numbers in TensorBoard (W&B is fed the same record)
+        logged = [(e.step, e.value) for e in events.Scalars(f"train/{key}")]
+        assert [step for step, _ in logged] == [2, 4, 6]
+        for (_, value), r in zip(logged, records, strict=True):
+            assert value == pytest.approx(r[key], rel=1e-6, abs=1e-6)
