@@ -1,6 +1,6 @@
 """The zero-bubble schedules through the trainer: ``parallel.pp_schedule`` ``zb-h1``, ``zbv``
-and ``dualpipev`` train the tiny GPT (and, for the V schedules, the tiny MoE) as one
-process.
+and ``dualpipev`` train the tiny GPT (and, for the V schedules, the tiny MoE and a hybrid)
+as one process.
 
 Reuses the layout contracts of ``test_gpt_training_layouts`` and ``test_moe_training`` (3
 AdamW steps; losses, gradient norms and final weights against plain gradient accumulation
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import pytest
 import test_moe_training as moe
-from test_gpt_training_layouts import _check, _parallel
+import torch
+from test_gpt_training_layouts import STEPS, _chain, _check, _parallel
 
-from mega_parallel_grid.testing import DistPool
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference
 from mega_pretrain.build import gpt_config
 from mega_pretrain.config import load_config
 from mega_pretrain.plan import Plan
@@ -51,6 +52,31 @@ def test_v_schedules_train_moe_as_one_process(
 ) -> None:
     """Mixtral-style tiny MoE, 4 layers (one per virtual stage), 8 micro-batches of 1."""
     moe._check(dist_pool, layout, {**moe.MIXTRAL, "num_layers": 4}, 1, micro=1)
+
+
+HYBRID = {"pattern": "M*-M*-M-"}  # the tiny GPT's sizes as a Mamba / attention / MLP hybrid
+
+
+def test_zbv_trains_a_hybrid_as_one_process(dist_pool: DistPool) -> None:
+    """The reference is the trainer on one process (the hybrid's own contract tests hold it
+    to plain PyTorch); the V puts two layers on each virtual stage."""
+    ref_losses, ref_norms, ref_weights = dist_pool.run(_parallel, 1, args=({}, HYBRID))[0]
+    results = dist_pool.run(_parallel, 2, args=(ZBV, HYBRID))
+    forward, grad = _chain(HYBRID)
+    merged: dict[str, torch.Tensor] = {}
+    for losses, norms, weights in results:
+        assert_close_to_reference(
+            torch.tensor(losses), torch.tensor(ref_losses), reduction_length=forward, name="losses"
+        )
+        assert_close_to_reference(
+            torch.tensor(norms), torch.tensor(ref_norms), reduction_length=grad, name="grad norms"
+        )
+        merged.update(weights)
+    assert set(merged) == set(ref_weights)
+    for name, value in merged.items():
+        assert_close_to_reference(
+            value, ref_weights[name], reduction_length=STEPS * grad, name=name
+        )
 
 
 def _unlaunched_buckets() -> list[int]:
