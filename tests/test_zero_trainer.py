@@ -12,6 +12,8 @@ steps (what the memory formula counts).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import test_gpt_training_layouts as layouts
 import test_moe_training as moe
@@ -19,7 +21,7 @@ import torch
 
 from mega_parallel_grid import init_process_groups
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
-from mega_pretrain.build import build, gpt_config, parallel_config
+from mega_pretrain.build import Built, build, gpt_config, parallel_config
 from mega_pretrain.config import load_config
 from mega_pretrain.step import StepRunner
 from mega_pretrain.validate import check_config
@@ -117,11 +119,41 @@ def test_zero_stage_trains_like_one_process(
 MOE_CASES = [
     ({"ep": 2, "sharding": "gradients"}, 4),  # ep2 folded over dp4: experts over edp 2
     ({"ep": 2, "pp": 2, "sharding": "gradients"}, 2),
+    ({"ep": 2, "sharding": "parameters"}, 4),  # two gatherers: dense over dp, experts over edp
+    ({"ep": 2, "pp": 2, "sharding": "parameters"}, 2),
 ]
 
 
-@pytest.mark.parametrize(("layout", "dp"), MOE_CASES, ids=["ep2-dp4", "ep2-pp2-dp2"])
-def test_moe_zero2_trains_like_one_process(
-    dist_pool: DistPool, layout: dict[str, object], dp: int
+@pytest.mark.parametrize(
+    ("layout", "dp"),
+    MOE_CASES,
+    ids=["zero2-ep2-dp4", "zero2-ep2-pp2-dp2", "zero3-ep2-dp4", "zero3-ep2-pp2-dp2"],
+)
+def test_moe_zero_trains_like_one_process(
+    dist_pool: DistPool, layout: dict[str, object], dp: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(moe, "_parallel", _moe_parallel)  # the workers run it by name
     moe._check(dist_pool, layout, moe.MIXTRAL, dp)
+
+
+_MOE_PARALLEL = moe._parallel  # taken before any test replaces it
+
+
+def _moe_parallel(*args: Any) -> Any:
+    """test_moe_training's run, its full weights read inside ``gathered_parameters``."""
+    built: list[Built] = []
+    full_weights = moe._full_weights
+
+    def recording(*a: Any, **k: Any) -> Built:
+        built.append(build(*a, **k))
+        return built[-1]
+
+    def gathered(chunks: Any) -> Any:
+        with built[-1].gathered_parameters():
+            return full_weights(chunks)
+
+    moe.build, moe._full_weights = recording, gathered
+    try:
+        return _MOE_PARALLEL(*args)
+    finally:
+        moe.build, moe._full_weights = build, full_weights

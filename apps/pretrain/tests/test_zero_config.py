@@ -54,10 +54,6 @@ REFUSED = [
         r"parallel.overlap_param_gather does not apply to parallel.sharding 'parameters'",
     ),
     (
-        [("parallel.sharding", "parameters"), ("model.size", "mixtral-tiny")],
-        r"parallel.sharding 'parameters' with an MoE model \(num_experts \d+\) is not supported",
-    ),
-    (
         [("parallel.sharding", "parameters"), ("train.compile", "true")],
         r"train.compile with parallel.sharding 'parameters' is not supported yet",
     ),
@@ -76,11 +72,12 @@ def test_impossible_combinations_fail_at_config_time(
     "overrides",
     [
         [("parallel.sharding", "gradients"), ("model.size", "mixtral-tiny")],  # ZeRO-2 MoE
+        [("parallel.sharding", "parameters"), ("model.size", "mixtral-tiny"), ("ep", "2")],
         [("parallel.sharding", "gradients"), ("train.compile", "true")],
         [("parallel.sharding", "parameters"), ("pp", "2"), ("model.tie_embeddings", "true")],
         [("parallel.sharding", "parameters"), ("cp", "2"), ("train.seq_len", "64")],
     ],
-    ids=["zero2-moe", "zero2-compile", "zero3-tied-pp2", "zero3-cp2"],
+    ids=["zero2-moe", "zero3-moe-ep2", "zero2-compile", "zero3-tied-pp2", "zero3-cp2"],
 )
 def test_runnable_combinations_pass(overrides: list[tuple[str, str]]) -> None:
     _check(*overrides, ("train.micro_batch_size", "2"), world=4)

@@ -68,9 +68,8 @@ class Built:
     def forward_context(self) -> Iterator[None]:
         """Around each chunk's forward: ZeRO-3's root unit gathered and its saved
         parameters tracked (nothing for the other stages)."""
-        with ExitStack() as stack:
-            for ddp in self.ddps:
-                stack.enter_context(ddp.forward_context())
+        first, *others = self.ddps
+        with first.forward_context(*others):
             yield
 
     @contextmanager

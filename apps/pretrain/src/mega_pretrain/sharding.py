@@ -32,12 +32,6 @@ def check_sharding(config: TrainerConfig, model: GPTConfig) -> None:
             f"parallel.overlap_param_gather does not apply to {asked} (ZeRO-3 gathers each "
             "layer's parameters before its forward, prefetching the next); turn it off"
         )
-    if model.is_moe:
-        raise ValueError(
-            f"{asked} with an MoE model (num_experts {model.num_experts}) is not supported "
-            "yet: the dense and the expert wrappers would both track saved parameters in "
-            "backward and torch keeps only the innermost such hook; use sharding 'gradients'"
-        )
     if t.compile:
         raise ValueError(
             f"train.compile with {asked} is not supported yet: the layers' gather hooks swap "

@@ -15,7 +15,7 @@ from torch.distributed import ProcessGroup
 
 from mega_zero_optim.bucket import Bucket, BucketState
 from mega_zero_optim.buffer import ParamAndGradBuffer
-from mega_zero_optim.gather import ParamGatherer, assign_units
+from mega_zero_optim.gather import ParamGatherer, assign_units, forward_passes
 from mega_zero_optim.sharded_bucket import ShardedBucket
 from mega_zero_optim.sharded_buffer import ShardedBuffer
 
@@ -277,15 +277,17 @@ class DistributedDataParallel(nn.Module):
         return out
 
     @contextmanager
-    def forward_context(self) -> Iterator[None]:
+    def forward_context(self, *others: DistributedDataParallel) -> Iterator[None]:
         """What :meth:`forward` runs the module in, for a caller that calls a part of the
         wrapped module itself (a pipeline schedule calling one model chunk): under ZeRO-3
         the root unit gathered and the saved parameter views tracked for backward; nothing
-        for the other stages."""
-        if self._gatherer is None:
+        for the other stages. ``others``: more wrappers of the same module (e.g. its
+        expert weights over another group), entered together."""
+        gatherers = [d._gatherer for d in (self, *others) if d._gatherer is not None]
+        if not gatherers:
             yield
             return
-        with self._gatherer.forward_pass():
+        with forward_passes(gatherers):
             yield
 
     # gradients ---------------------------------------------------------------------------

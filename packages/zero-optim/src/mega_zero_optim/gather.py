@@ -26,7 +26,7 @@ gathered parameters until backward would hold every unit at once and undo ZeRO-3
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch import nn
 
 from mega_zero_optim.sharded_bucket import ShardedBucket
 
-__all__ = ["ParamGatherer", "assign_units"]
+__all__ = ["ParamGatherer", "assign_units", "forward_passes"]
 
 
 def assign_units(
@@ -167,10 +167,14 @@ class ParamGatherer:
         return hook
 
     @contextmanager
-    def forward_pass(self) -> Iterator[None]:
-        """The root unit's forward: its buckets gathered, saved parameter views tracked."""
+    def forward_pass(self, *, track: bool = True) -> Iterator[None]:
+        """The root unit's forward: its buckets gathered, saved parameter views tracked
+        (``track=False``: by the caller, see :func:`forward_passes`)."""
         self._acquire(0)
         try:
+            if not track:
+                yield
+                return
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
@@ -212,3 +216,28 @@ class ParamGatherer:
             self._start(b)
         for b in self.order:
             b.finish_param_sync()
+
+
+@contextmanager
+def forward_passes(gatherers: Sequence[ParamGatherer]) -> Iterator[None]:
+    """The forward passes of several gatherers of one module at once (wrappers over
+    different groups, e.g. dense and expert weights): torch keeps only the innermost pair
+    of saved-tensor hooks, so one pair asks each gatherer in turn."""
+    with ExitStack() as stack:
+        for g in gatherers:
+            stack.enter_context(g.forward_pass(track=False))
+
+        def pack(t: torch.Tensor) -> Any:
+            for i, g in enumerate(gatherers):
+                packed = g._pack(t)
+                if packed is not t:
+                    return (i, packed)
+            return t
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, tuple):
+                return gatherers[packed[0]]._unpack(packed[1])
+            return packed  # type: ignore[no-any-return]
+
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+        yield
