@@ -66,7 +66,8 @@ class HybridConfig(GPTConfig):
     ssd_kernel: str = "auto"
     """The SSD scan's implementation: ``"triton"`` (the project's kernels,
     ``mega_models.ssd_triton``), ``"torch"`` (``ssd_chunked``), or ``"auto"``: triton for
-    CUDA tensors when the triton package is installed, torch otherwise."""
+    bf16/fp16 CUDA tensors when the triton package is installed, torch otherwise (fp32 and
+    fp64 kernels run their matmuls without tensor cores: correct, not fast)."""
 
     def __post_init__(self) -> None:
         for name in ("mamba_dt_limit", "mamba_a_init_range"):  # TOML and JSON give lists

@@ -155,8 +155,9 @@ class Mamba2Mixer(KeepsParamAttrs):
         step = F.softplus(dt.to(work) + self.dt_bias.to(work))  # [s, b, heads]
         step = step.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
         A = -torch.exp(self.A_log.to(work))
+        half = x.dtype in (torch.bfloat16, torch.float16)
         if self.ssd_kernel == "triton" or (
-            self.ssd_kernel == "auto" and x.is_cuda and triton_available()
+            self.ssd_kernel == "auto" and half and x.is_cuda and triton_available()
         ):  # the kernels read x, B and C in their dtype and accumulate in fp32
             return ssd_triton(x, step, A, B, C, self.chunk_size, D=self.D.to(work))
         xw = x.to(work)

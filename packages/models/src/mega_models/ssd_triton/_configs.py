@@ -16,11 +16,12 @@ _CANDIDATES = {
              ({"BLOCK_M": 64, "BLOCK_K": 32}, 4, 3), ({"BLOCK_M": 128, "BLOCK_K": 64}, 8, 2)],
     # input gradients per head over the whole chunk, output rows taken I at a time
     "dx": [({"BLOCK_I": 16}, 4, 1), ({"BLOCK_I": 32}, 8, 2), ({"BLOCK_I": 64}, 8, 2),
-           ({"BLOCK_I": 32}, 4, 3)],
+           ({"BLOCK_I": 32}, 8, 3)],
     # B and C gradients per group: rows M, the other side K
-    # (a program loops over the group's heads: smaller row blocks, more programs)
-    "dbc": [({"BLOCK_M": 16, "BLOCK_K": 16}, 4, 1), ({"BLOCK_M": 32, "BLOCK_K": 32}, 4, 2),
-            ({"BLOCK_M": 64, "BLOCK_K": 32}, 4, 2), ({"BLOCK_M": 64, "BLOCK_K": 64}, 8, 2)],
+    # (a program loops over the group's heads: small row blocks, more programs; 8 warps,
+    # as at 4 every block size spilled 350-1,000 bytes per thread in ptxas -v for sm_90a)
+    "dbc": [({"BLOCK_M": 16, "BLOCK_K": 16}, 4, 1), ({"BLOCK_M": 32, "BLOCK_K": 32}, 8, 2),
+            ({"BLOCK_M": 32, "BLOCK_K": 64}, 8, 2), ({"BLOCK_M": 64, "BLOCK_K": 32}, 8, 1)],
 }  # fmt: skip
 
 
