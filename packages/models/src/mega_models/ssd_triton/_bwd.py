@@ -35,10 +35,10 @@ def dstate_bwd(
     ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, batch, head): ``sum_i exp(s_i) dy_i C_i^T`` ``[p, n]``."""
-    c = tl.program_id(0)
-    bb = tl.program_id(1).to(tl.int64)
-    hh = tl.program_id(2)
+    """Per (head, chunk, batch): ``sum_i exp(s_i) dy_i C_i^T`` ``[p, n]``."""
+    hh = tl.program_id(0)  # the heads of a group side by side: they read the same B, C
+    c = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
     g = hh // R
     rt = tl.arange(0, BLOCK_T)
     rp = tl.arange(0, BLOCK_P)
@@ -101,22 +101,22 @@ def dc_bwd(
     ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk * batch, group, block of steps i), over the group's heads:
+    """Per (block of steps i, group, chunk * batch), over the group's heads:
     ``dC_i = sum_h [exp(s_i) dy_i H_c + sum_{j<=i} exp(s_i - s_j) dt_j (dy_i . x_j) B_j]``;
     per head ``rows[b, h, i] = dy_i . (y_i - D x_i)``."""
-    c = tl.program_id(0) % n_chunks
-    bb = (tl.program_id(0) // n_chunks).to(tl.int64)
+    c = tl.program_id(2) % n_chunks
+    bb = (tl.program_id(2) // n_chunks).to(tl.int64)
     g = tl.program_id(1)
     rp = tl.arange(0, BLOCK_P)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    li = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    li = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ti = c * Q + li
     vi = (li < Q) & (ti < L)
     C_base = C_ptr + bb * sC_b + g * sC_g
     B_base = B_ptr + bb * sB_b + g * sB_g
     Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
-    end = tl.minimum((tl.program_id(2) + 1) * BLOCK_M, Q)
+    end = tl.minimum((tl.program_id(0) + 1) * BLOCK_M, Q)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     for r in range(0, R):
         hh = g * R + r
@@ -171,12 +171,12 @@ def dx_bwd(
     BLOCK_I: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, batch, head), the whole chunk's steps j at once:
+    """Per (head, chunk, batch), the whole chunk's steps j at once:
     ``u_j = exp(T - s_j) dS_c B_j + sum_{i>=j} exp(s_i - s_j) (B_j . C_i) dy_i``,
     ``dx_j = dt_j u_j + D dy_j``, ``ddt_j = x_j . u_j + A da_j``; ``dA``, ``dD`` partials."""
-    c = tl.program_id(0)
-    bb = tl.program_id(1).to(tl.int64)
-    hh = tl.program_id(2)
+    hh = tl.program_id(0)  # the heads of a group side by side: they read the same B, C
+    c = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
     g = hh // R
     rp = tl.arange(0, BLOCK_P)
     rn = tl.arange(0, BLOCK_N)
@@ -239,15 +239,15 @@ def db_bwd(
     ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk * batch, group, block of steps j), over the group's heads:
+    """Per (block of steps j, group, chunk * batch), over the group's heads:
     ``dB_j = sum_h dt_j [exp(T - s_j) x_j dS_c + sum_{i>=j} exp(s_i - s_j) (dy_i . x_j) C_i]``."""
-    c = tl.program_id(0) % n_chunks
-    bb = (tl.program_id(0) // n_chunks).to(tl.int64)
+    c = tl.program_id(2) % n_chunks
+    bb = (tl.program_id(2) // n_chunks).to(tl.int64)
     g = tl.program_id(1)
     rp = tl.arange(0, BLOCK_P)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    start = tl.program_id(2) * BLOCK_M
+    start = tl.program_id(0) * BLOCK_M
     lj = start + tl.arange(0, BLOCK_M)
     tj = c * Q + lj
     vj = (lj < Q) & (tj < L)

@@ -47,7 +47,7 @@ class _SSDScan(torch.autograd.Function):
         final = torch.empty(b, h, p, n, device=x.device, dtype=acc_t)
         blocks = {"ACC": acc, "PREC": prec, "BLOCK_P": _pow2(p), "BLOCK_N": _pow2(n)}
         shape = (length, h, r, q, p, n, c)
-        _fwd.chunk_state_fwd[(c, b, h)](
+        _fwd.chunk_state_fwd[(h, c, b)](
             x, dt, A, B, states, cum, *shape, *x.stride(), *dt.stride(), *B.stride(), **blocks
         )
         pblock = _pass_block(p * n)
@@ -57,7 +57,7 @@ class _SSDScan(torch.autograd.Function):
         y = torch.empty(length, b, h, p, device=x.device, dtype=x.dtype)
 
         def scan_grid(meta: dict[str, int]) -> tuple[int, int, int]:
-            return (c * b, h, -(-q // meta["BLOCK_M"]))
+            return (-(-q // meta["BLOCK_M"]), h, c * b)  # a chunk's blocks side by side
 
         _fwd.chunk_scan_fwd[scan_grid](
             x, dt, B, C, x if D is None else D, y, states, cum, *shape,
@@ -81,7 +81,7 @@ class _SSDScan(torch.autograd.Function):
         blocks = {"ACC": acc, "PREC": prec, "BLOCK_P": _pow2(p), "BLOCK_N": _pow2(n)}
         shape = (length, h, r, q, p, n, c)
         dstates = torch.empty_like(states)
-        _bwd.dstate_bwd[(c, b, h)](dy, C, cum, dstates, *shape, *dy.stride(), *C.stride(), **blocks)
+        _bwd.dstate_bwd[(h, c, b)](dy, C, cum, dstates, *shape, *dy.stride(), *C.stride(), **blocks)
         pblock = _pass_block(p * n)
         n_blocks = -(-p * n // pblock)
         ends = torch.empty(b * h, n_blocks, c, device=dev, dtype=acc_t)
@@ -91,7 +91,7 @@ class _SSDScan(torch.autograd.Function):
         ends = ends.sum(1)  # [b * h, c]
 
         def group_grid(meta: dict[str, int]) -> tuple[int, int, int]:
-            return (c * b, g, -(-q // meta["BLOCK_M"]))
+            return (-(-q // meta["BLOCK_M"]), g, c * b)
 
         rows = torch.empty(b, h, c * q, device=dev, dtype=acc_t)
         dC = torch.empty(C.shape, device=dev, dtype=C.dtype)
@@ -104,7 +104,7 @@ class _SSDScan(torch.autograd.Function):
         ddt = torch.empty(dt.shape, device=dev, dtype=dt.dtype)
         dA = torch.empty(b, c, h, device=dev, dtype=acc_t)
         dD = torch.empty(b, c, h, device=dev, dtype=acc_t) if D is not None else None
-        _bwd.dx_bwd[(c, b, h)](
+        _bwd.dx_bwd[(h, c, b)](
             x, dt, A, B, C, x if D is None else D, dy, dstates, cum, ends, rows,
             dx, ddt, dA, dA if dD is None else dD, *shape,
             *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(), *dx.stride(),

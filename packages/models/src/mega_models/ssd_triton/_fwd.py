@@ -33,10 +33,10 @@ def chunk_state_fwd(
     ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, batch, head): the running log-decay ``s`` (stored) and ``S_c`` (stored)."""
-    c = tl.program_id(0)
-    bb = tl.program_id(1).to(tl.int64)
-    hh = tl.program_id(2)
+    """Per (head, chunk, batch): the running log-decay ``s`` (stored) and ``S_c`` (stored)."""
+    hh = tl.program_id(0)  # the heads of a group side by side: they read the same B, C
+    c = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
     g = hh // R
     a_h = tl.load(A_ptr + hh).to(ACC)
     rt = tl.arange(0, BLOCK_T)
@@ -109,14 +109,15 @@ def chunk_scan_fwd(
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk * batch, head, block of output steps): ``y``."""
-    c = tl.program_id(0) % n_chunks
-    bb = (tl.program_id(0) // n_chunks).to(tl.int64)
+    """Per (block of output steps, head, chunk * batch), the blocks of one chunk and the heads
+    of one group next to each other (they read the same state and B, C): ``y``."""
+    c = tl.program_id(2) % n_chunks
+    bb = (tl.program_id(2) // n_chunks).to(tl.int64)
     hh = tl.program_id(1)
     g = hh // R
     rp = tl.arange(0, BLOCK_P)
     rn = tl.arange(0, BLOCK_N)
-    li = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    li = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ti = c * Q + li
     vi = (li < Q) & (ti < L)
     cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
@@ -133,7 +134,7 @@ def chunk_scan_fwd(
     dt_base = dt_ptr + bb * sdt_b + hh * sdt_h
     B_base = B_ptr + bb * sB_b + g * sB_g
     rk = tl.arange(0, BLOCK_K)
-    end = tl.minimum((tl.program_id(2) + 1) * BLOCK_M, Q)
+    end = tl.minimum((tl.program_id(0) + 1) * BLOCK_M, Q)
     for k in range(0, end, BLOCK_K):
         lj = k + rk
         tj = c * Q + lj
