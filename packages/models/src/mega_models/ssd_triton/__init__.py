@@ -1,7 +1,8 @@
 """The chunked SSD scan (Mamba-2) in the project's own Triton kernels, forward and backward:
 ``ssd_triton`` computes what ``mega_models.ssd.ssd_chunked`` computes (plus an optional
 ``D`` skip), on CUDA tensors, or on CPU ones under the Triton interpreter
-(``TRITON_INTERPRET=1`` set before this package's kernels are first imported).
+(``TRITON_INTERPRET=1`` set before triton is first imported: the interpreter swaps
+triton's own library functions at its import).
 
 Triton is optional: ``import mega_models`` never imports it; ``triton_available()`` says
 whether it can be.
