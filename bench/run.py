@@ -116,7 +116,7 @@ SUITES: dict[str, Suite] = {
     # two saves 150 steps (~25-40 s) apart, so the second async save finds the first one's write done
     "ckpt-stall": [
         (f"1b save {mode}", 240,
-         "python3 -m mega_pretrain --model.size 1b --data.seq_len 2048 --train.micro_batch_size 4 "
+         "python3 -m mega_pretrain --model.size 1b --train.seq_len 2048 --train.micro_batch_size 4 "
          "--train.global_batch_size 4 --train.steps 300 --train.log_interval 50 "
          "--train.eval_interval 0 --checkpoint.save_interval 150 "
          f"--checkpoint.async_save {str(mode == 'async').lower()} --run.out_dir /tmp/runs --run.name s-{mode}")
