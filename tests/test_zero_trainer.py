@@ -66,9 +66,11 @@ def _parallel(layout: dict[str, object], model: dict[str, object]) -> Result:
     return losses, norms, weights
 
 
-def _check(dist_pool: DistPool, layout: dict[str, object], model: dict[str, object]) -> None:
+def _check(
+    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int = 2
+) -> None:
     ref_losses, ref_norms, ref_weights = dist_pool.run(layouts._reference, 1, args=(model,))[0]
-    results = dist_pool.run(_parallel, layouts._world(layout, 2), args=(layout, model))
+    results = dist_pool.run(_parallel, layouts._world(layout, dp), args=(layout, model))
     forward, grad = layouts._chain(model)
     for losses, norms, _ in results:
         assert_close_to_reference(
@@ -114,6 +116,15 @@ def test_zero_stage_trains_like_one_process(
     dist_pool: DistPool, layout: dict[str, object], model: dict[str, object]
 ) -> None:
     _check(dist_pool, layout, model)
+
+
+HSDP_CASES = [{"sharding": s, "dp_shard": 2} for s in ("optimizer", "gradients", "parameters")]
+
+
+@pytest.mark.parametrize("layout", HSDP_CASES, ids=lambda d: f"{d['sharding']}-dp_shard2")
+def test_hsdp_trains_like_one_process(dist_pool: DistPool, layout: dict[str, object]) -> None:
+    """dp 4 = 2 shards x 2 replicas, one micro-batch per rank."""
+    _check(dist_pool, layout, {}, dp=4)
 
 
 MOE_CASES = [

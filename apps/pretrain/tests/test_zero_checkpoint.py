@@ -104,6 +104,7 @@ ZERO3 = {"sharding": "parameters"}
 CASES = [  # (saved at, world), [(loaded at, world), ...]
     ((ZERO3, 2), [(ZERO1, 2), (ZERO1, 1), (ZERO2, 2)]),
     (({**ZERO3, "async": True}, 2), [(ZERO1, 2)]),  # checkpoint.async_save's path
+    (({**ZERO3, "dp_shard": 2}, 4), [(ZERO1, 2)]),  # HSDP: 2 shards x 2 replicas
     ((ZERO1, 2), [(ZERO3, 2)]),
     ((ZERO1, 1), [(ZERO3, 2)]),
 ]
@@ -115,6 +116,7 @@ CASES = [  # (saved at, world), [(loaded at, world), ...]
     ids=[
         "zero3-dp2-to-zero1-dp2-one-zero2-dp2",
         "zero3-dp2-async-to-zero1-dp2",
+        "zero3-hsdp-2x2-to-zero1-dp2",
         "zero1-dp2-to-zero3-dp2",
         "one-to-zero3-dp2",
     ],

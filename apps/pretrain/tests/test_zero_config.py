@@ -54,6 +54,10 @@ REFUSED = [
         r"parallel.overlap_param_gather does not apply to parallel.sharding 'parameters'",
     ),
     (
+        [("parallel.dp_shard", "2"), ("model.size", "mixtral-tiny"), ("ep", "2")],
+        r"parallel.dp_shard \(2\) with an MoE model \(num_experts \d+\) is not supported yet",
+    ),
+    (
         [("parallel.sharding", "parameters"), ("train.compile", "true")],
         r"train.compile with parallel.sharding 'parameters' is not supported yet",
     ),

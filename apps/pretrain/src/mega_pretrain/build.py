@@ -206,6 +206,11 @@ def _wrap(
     common: dict[str, Any] = {
         "bucket_size": p.bucket_size, "overlap_grad_reduce": p.overlap_grad_reduce,
     }  # fmt: skip
+    # HSDP (parallel.dp_shard): the dense wrappers shard within dp_shard x cp and all-reduce
+    # across the replicas; the experts are refused at config time
+    hsdp = p.dp_shard is not None and groups.size("dp_replicate") > 1
+    dense_group = groups.dp_shard_cp if hsdp else groups.dp_cp
+    replicas = groups.dp_replicate if hsdp else None
     zero: dict[str, Any] = {"sharding": stage, "gather_units": units}
     if not sharded:
         zero["use_distributed_optimizer"] = p.distributed_optimizer and not tied_across_stages
@@ -215,8 +220,8 @@ def _wrap(
         return _dense(name, param) and not whole(name, param)
 
     ddp = DistributedDataParallel(
-        wrapped, dp_group=groups.dp_cp, param_filter=dense if is_moe or has_whole else None,
-        **common, **zero,
+        wrapped, dp_group=dense_group, param_filter=dense if is_moe or has_whole else None,
+        replicate_group=replicas, **common, **zero,
     )  # fmt: skip
     expert_ddp = None
     if is_moe:
@@ -230,10 +235,10 @@ def _wrap(
     whole_ddp = None
     if has_whole:
         whole_ddp = DistributedDataParallel(
-            wrapped, dp_group=groups.dp_cp, sharding="optimizer",
+            wrapped, dp_group=dense_group, sharding="optimizer",
             param_filter=lambda n, q: _dense(n, q) and whole(n, q),
             use_distributed_optimizer=p.distributed_optimizer and not tied_across_stages,
-            **common,
+            replicate_group=replicas, **common,
         )  # fmt: skip
     return ddp, expert_ddp, whole_ddp
 

@@ -82,6 +82,11 @@ class ParallelSection:
     shards, each transformer layer all-gathered before its forward and its backward and freed
     after, the next one prefetched; 18/dp). Megatron-FSDP's names ``optim``, ``optim_grads``
     and ``optim_grads_params`` are accepted as aliases."""
+    dp_shard: int | None = None
+    """HSDP: shard over groups of this many dp ranks and replicate across the dp / dp_shard
+    groups (Megatron's ``num_distributed_optimizer_instances`` = dp / dp_shard); every
+    ``sharding`` stage shards within the group, gradients are then all-reduced across the
+    replicas. Unset: shard over all of dp."""
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's reduction during backward."""
     overlap_param_gather: bool = False
@@ -119,7 +124,7 @@ class ParallelSection:
     def parallel_config(self) -> ParallelConfig:
         """The degrees as mega-parallel-grid's ParallelConfig (validated there)."""
         return ParallelConfig(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
-                              vpp=self.vpp)  # fmt: skip
+                              vpp=self.vpp, dp_shard=self.dp_shard)  # fmt: skip
 
 
 @dataclass(frozen=True)

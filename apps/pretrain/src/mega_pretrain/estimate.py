@@ -59,7 +59,7 @@ def estimate(plan: Plan) -> Estimate:
     master = 0 if precision == "fp32" else 4
     # dense state is sharded over dp x cp; expert state over the expert-data-parallel ranks
     dp, etp = plan.dp, parallel.expert_tp
-    shards = dp * p.cp if p.distributed_optimizer else 1
+    shards = (p.dp_shard or dp) * p.cp if p.distributed_optimizer else 1  # HSDP: the shard group
     expert_shards = max(1, dp * p.cp * p.tp // (p.ep * etp)) if p.distributed_optimizer else 1
     stage = p.zero_stage
 

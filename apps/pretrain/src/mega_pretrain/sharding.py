@@ -17,6 +17,12 @@ def check_sharding(config: TrainerConfig, model: GPTConfig) -> None:
     """Raise ValueError for a ``parallel.sharding`` that this config cannot train with."""
     p, t = config.parallel, config.train
     stage = p.zero_stage
+    if p.dp_shard is not None and model.is_moe:
+        raise ValueError(
+            f"parallel.dp_shard ({p.dp_shard}) with an MoE model (num_experts "
+            f"{model.num_experts}) is not supported yet: the expert weights shard over the "
+            "expert data-parallel group, which HSDP does not split; leave dp_shard unset"
+        )
     if stage == "optimizer":
         return
     asked = f"parallel.sharding {p.sharding!r}"
