@@ -161,11 +161,6 @@ SUITES: dict[str, Suite] = {
         ("split eager", 300, "python3 bench/split_backward.py --size 1b-bench --mb 8"),
         ("split compile", 420, "python3 bench/split_backward.py --size 1b-bench --mb 8 --compile"),
     ],
-    # the cost of the split backward (issue 23): fused B+W vs B then W from the store, one GPU
-    "split": [
-        ("split eager", 300, "python3 bench/split_backward.py --size 1b-bench --mb 8"),
-        ("split compile", 420, "python3 bench/split_backward.py --size 1b-bench --mb 8 --compile"),
-    ],
     # ZeRO stages on one GPU (issue 21): the overhead of parameter sharding at dp 1 (tokens/s,
     # peak memory; eager, since train.compile is refused under ZeRO-3), the compiled ZeRO-1
     # step for scale, and the trainer's CLI at ZeRO-3 through its end-of-run checkpoint

@@ -183,7 +183,7 @@ class StepRunner:
             group["lr"] = lr
         # a new iteration for train.compile_mode 'reduce-overhead' (CUDA graph trees reuse what
         # the last step's backward freed); a counter, nothing more, without graphs
-        torch.compiler.cudagraph_mark_step_begin()
+        torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
         for ddp in self.built.ddps:
             ddp.zero_grad_buffer()
         for chunk in self.built.chunks:
