@@ -171,6 +171,15 @@ SUITES: dict[str, Suite] = {
             for stage in ("optimizer", "gradients", "parameters")
         ],
         ("1b-bench optimizer compile", 240, f"{_STEP} --size 1b-bench --mb 8 --compile"),
+        *[
+            (f"1b-bench {stage} offload", 300, f"{_STEP} --size 1b-bench --mb 8 "
+                                               f"--set parallel.sharding={stage} "
+                                               "--set parallel.optimizer_offload=true")
+            for stage in ("optimizer", "parameters")
+        ],
+        ("offload tests", 200, "python3 -m pytest -q -p mega_parallel_grid.testing.pytest_plugin "
+                               "packages/zero-optim/tests/test_offload.py"),
+        ("offload largest", 500, "python3 bench/zero_offload.py --find-largest"),
         ("trainer 1b-bench zero3", 300,
          "python3 -m mega_pretrain --model.size 1b-bench --train.micro_batch_size 8 "
          "--train.global_batch_size 8 --train.seq_len 2048 --train.steps 12 "

@@ -107,6 +107,8 @@ CASES = [  # (saved at, world), [(loaded at, world), ...]
     (({**ZERO3, "dp_shard": 2}, 4), [(ZERO1, 2)]),  # HSDP: 2 shards x 2 replicas
     ((ZERO1, 2), [(ZERO3, 2)]),
     ((ZERO1, 1), [(ZERO3, 2)]),
+    (({**ZERO1, "optimizer_offload": True}, 2), [(ZERO3, 2)]),  # host state saved, loaded on device
+    ((ZERO1, 2), [({**ZERO3, "optimizer_offload": True}, 2)]),
 ]
 
 
@@ -119,6 +121,8 @@ CASES = [  # (saved at, world), [(loaded at, world), ...]
         "zero3-hsdp-2x2-to-zero1-dp2",
         "zero1-dp2-to-zero3-dp2",
         "one-to-zero3-dp2",
+        "zero1-offload-dp2-to-zero3-dp2",
+        "zero1-dp2-to-zero3-offload-dp2",
     ],
 )
 def test_checkpoints_reshard_between_zero_stages(

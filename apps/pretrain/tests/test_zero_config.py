@@ -41,6 +41,11 @@ def test_unknown_sharding_names_the_choices() -> None:
 
 REFUSED = [
     (
+        [("parallel.optimizer_offload", "true"), ("parallel.distributed_optimizer", "false")],
+        r"parallel.optimizer_offload moves the distributed optimizer's fp32 shards to the host, "
+        r"but parallel.distributed_optimizer is false",
+    ),
+    (
         [("parallel.sharding", "gradients"), ("parallel.distributed_optimizer", "false")],
         r"parallel.sharding 'gradients' shards the gradients over dp, which needs "
         r"parallel.distributed_optimizer true",

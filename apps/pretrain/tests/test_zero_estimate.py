@@ -88,3 +88,18 @@ def test_dry_run_names_the_stage_and_its_in_flight_memory() -> None:
     assert "  sharding    parameters (ZeRO-3, parallel.sharding)" in text
     assert "in flight" in text
     assert "in flight" not in dry_run(_config("optimizer"), 4)
+
+
+@pytest.mark.parametrize("stage", list(PER_PARAM))
+def test_offload_moves_masters_and_moments_to_the_host(stage: str) -> None:
+    # dp 4, bf16 + AdamW: the (4 + 8)/4 bytes of masters and moments, and a 4/4 copy of their
+    # fp32 gradients, leave the device for the host; weights and gradients stay
+    on = estimate(plan_for(_config(stage, ("parallel.optimizer_offload", "true")), 4))
+    off = estimate(plan_for(_config(stage), 4))
+    n = on.params_per_rank
+    assert on.optimizer == 0 and off.host == 0
+    assert (on.weights, on.grads) == (off.weights, off.grads)
+    assert on.host == pytest.approx(4 * n, abs=2)
+    assert on.total == off.total - off.optimizer
+    text = dry_run(_config(stage, ("parallel.optimizer_offload", "true")), 4)
+    assert "host" in text and "parallel.optimizer_offload" in text

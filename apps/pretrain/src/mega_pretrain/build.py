@@ -150,7 +150,7 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         if not param.requires_grad:
             continue
         (no_decay if param.dim() < 2 or name.endswith("bias") else decay).append(param)
-    fused = device.type == "cuda"
+    fused = device.type == "cuda" or p.optimizer_offload  # offload: the CPU's fused kernel
     adam = torch.optim.AdamW(
         [{"params": decay, **_group_settings(t, 0)}, {"params": no_decay, **_group_settings(t, 1)}],
         lr=t.lr, fused=fused,
@@ -163,6 +163,7 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         grad_norm_group=groups.world,
         loss_scaler=DynamicLossScaler() if t.precision == "fp16" else None,
         overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
+        optimizer_offload=p.optimizer_offload,
     )  # fmt: skip
     return Built(
         chunks, ddp, optimizer, rng, expert_ddp, packing_for(config),

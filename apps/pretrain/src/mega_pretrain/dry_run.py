@@ -114,6 +114,11 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
             else []
         ),
         f"  total       {_gib(est.total)}",
+        *(
+            [f"  host        {_gib(est.host)} (parallel.optimizer_offload: masters, moments)"]
+            if est.host
+            else []
+        ),
         *data_lines(config, est.total_params),
         _logging_line(config),
         "rank layout:",

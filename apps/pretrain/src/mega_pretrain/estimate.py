@@ -27,6 +27,9 @@ class Estimate:
     """ZeRO-2/3 (``parallel.sharding``): what comes and goes during a step beside the shards
     above: the full gradients of the buckets being reduced and, for ZeRO-3, the gathered
     parameters (the root unit, the layer in use and the one prefetched)."""
+    host: int = 0
+    """``parallel.optimizer_offload``: the host memory of the fp32 masters and Adam moments
+    (and the masters' gradients), which :attr:`optimizer` then leaves off the device."""
 
     @property
     def total(self) -> int:
@@ -47,6 +50,8 @@ def estimate(plan: Plan) -> Estimate:
     are ``2 + 4 + 12/s`` for ``optimizer`` (ZeRO-1), ``2 + 16/s`` for ``gradients`` and
     ``18/s`` for ``parameters`` (``s``: the ranks sharing the state, dp x cp for dense
     weights), plus :attr:`Estimate.in_flight` (see :func:`in_flight_bytes`).
+    ``parallel.optimizer_offload`` moves the ``(4 + 8)/s`` of masters and moments (and a
+    4/s copy of their gradients) to :attr:`Estimate.host`.
     """
     config, model, spec = plan.config, plan.model, plan.spec
     p, t, parallel = config.parallel, config.train, plan.parallel
@@ -72,6 +77,10 @@ def estimate(plan: Plan) -> Estimate:
     weights = sharded(width, ("parameters",))
     grads = sharded(4, ("gradients", "parameters"))
     optimizer = dense_rank * (master + 8) // shards + expert_rank * (master + 8) // expert_shards
+    host = 0
+    if p.optimizer_offload:  # masters, moments and the masters' fp32 gradients on the host
+        host = optimizer + (dense_rank * 4 // shards + expert_rank * 4 // expert_shards)
+        optimizer = 0
     s, b, h = plan.local_seq_len, t.micro_batch_size, model.hidden_size
     if t.recompute == "full":
         layer_act = 2 * s * b * h / p.tp
@@ -87,6 +96,7 @@ def estimate(plan: Plan) -> Estimate:
         total_params=total, params_per_rank=per_rank, weights=weights, grads=grads,
         optimizer=optimizer, activations=activations + logits,
         flops_per_token=plan.flops_per_token(), in_flight=in_flight_bytes(plan, width),
+        host=host,
     )  # fmt: skip
 
 

@@ -23,6 +23,12 @@ def check_sharding(config: TrainerConfig, model: GPTConfig) -> None:
             f"{model.num_experts}) is not supported yet: the expert weights shard over the "
             "expert data-parallel group, which HSDP does not split; leave dp_shard unset"
         )
+    if p.optimizer_offload and not p.distributed_optimizer:
+        raise ValueError(
+            "parallel.optimizer_offload moves the distributed optimizer's fp32 shards to the "
+            "host, but parallel.distributed_optimizer is false; turn it on (at dp 1 it shards "
+            "nothing and costs nothing)"
+        )
     if stage == "optimizer":
         return
     asked = f"parallel.sharding {p.sharding!r}"
