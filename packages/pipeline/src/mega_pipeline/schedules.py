@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from mega_pipeline.chunk import DataIterator, ForwardStep, SplitBackward
 from mega_pipeline.executor import Hooks, run_plan
 from mega_pipeline.order import (
+    Action,
     interleaved_order,
     interleaved_warmup,
     no_pipelining_order,
@@ -145,16 +146,43 @@ def forward_backward_1f1b(
     back on the last stage (an empty list elsewhere). Hooks as in
     :func:`forward_backward_no_pipelining`.
     """
+    return _run_one_chunk(
+        "forward_backward_1f1b",
+        "use forward_backward_interleaved for virtual pipeline chunks",
+        lambda pp, rank: one_f_one_b_order(pp, rank, num_microbatches, forward_only),
+        forward_step=forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        communicator=communicator,
+        forward_only=forward_only,
+        hooks=Hooks(grad_sync_func, no_sync_func, grad_scale_func),
+    )
+
+
+def _run_one_chunk(
+    name: str,
+    way_out: str,
+    order: Callable[[int, int], list[Action]],
+    *,
+    forward_step: ForwardStep,
+    data_iterator: DataIterator | Sequence[DataIterator],
+    model: nn.Module | Sequence[nn.Module],
+    num_microbatches: int,
+    communicator: P2PCommunicator | None,
+    forward_only: bool,
+    hooks: Hooks,
+    split_backward: SplitBackward | None = None,
+) -> list[dict[str, Tensor]]:
+    """Run schedule ``name`` on this rank's single chunk: ``order(pp, rank)`` its actions."""
     chunks = _chunks(model)
     if len(chunks) != 1:
         raise ValueError(
-            f"forward_backward_1f1b runs one chunk per rank, but the model has {len(chunks)}; "
-            "use forward_backward_interleaved for virtual pipeline chunks"
+            f"{name} runs one chunk per rank, but the model has {len(chunks)}; {way_out}"
         )
     pp, rank = _pp(communicator)
-    actions = one_f_one_b_order(pp, rank, num_microbatches, forward_only)
     return run_plan(
-        build_plan(actions, pp, 1, rank),
+        build_plan(order(pp, rank), pp, 1, rank),
         forward_step=forward_step,
         chunks=chunks,
         data_iterators=_iterators(data_iterator, 1),
@@ -163,7 +191,8 @@ def forward_backward_1f1b(
         pp_rank=rank,
         num_microbatches=num_microbatches,
         forward_only=forward_only,
-        hooks=Hooks(grad_sync_func, no_sync_func, grad_scale_func),
+        hooks=hooks,
+        split_backward=split_backward,
     )
 
 
@@ -232,27 +261,22 @@ def forward_backward_zb_h1(
     Hooks as in :func:`forward_backward_no_pipelining`; ``grad_sync_func`` fires after
     the chunk's last W.
     """
-    chunks = _chunks(model)
-    if len(chunks) != 1:
-        raise ValueError(
-            f"forward_backward_zb_h1 runs one chunk per rank, but the model has {len(chunks)}; "
-            "pass this rank's single chunk"
-        )
-    pp, rank = _pp(communicator)
     split = split_backward if not forward_only else None
-    if split is None:
-        actions = one_f_one_b_order(pp, rank, num_microbatches, forward_only)
-    else:
-        actions = zb_h1_order(pp, rank, num_microbatches)
-    return run_plan(
-        build_plan(actions, pp, 1, rank),
+
+    def order(pp: int, rank: int) -> list[Action]:
+        if split is None:
+            return one_f_one_b_order(pp, rank, num_microbatches, forward_only)
+        return zb_h1_order(pp, rank, num_microbatches)
+
+    return _run_one_chunk(
+        "forward_backward_zb_h1",
+        "pass this rank's single chunk",
+        order,
         forward_step=forward_step,
-        chunks=chunks,
-        data_iterators=_iterators(data_iterator, 1),
-        communicator=communicator,
-        pp=pp,
-        pp_rank=rank,
+        data_iterator=data_iterator,
+        model=model,
         num_microbatches=num_microbatches,
+        communicator=communicator,
         forward_only=forward_only,
         hooks=Hooks(grad_sync_func, no_sync_func, grad_scale_func),
         split_backward=split,
