@@ -175,11 +175,11 @@ def _skip_second_step(out_dir: str) -> tuple[int, str | None, list[int]]:
     original = StepRunner.train_step
     calls = {"n": 0}
 
-    def flaky(self: StepRunner, batches: Any, lr: float) -> Any:
+    def flaky(self: StepRunner, batches: Any, lr: float, **kwargs: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 2:
             raise FloatingPointError("non-finite gradient norm (injected)")
-        return original(self, batches, lr)
+        return original(self, batches, lr, **kwargs)  # kwargs: the trainer's phase timer
 
     StepRunner.train_step = flaky  # type: ignore[method-assign]
     try:
@@ -262,7 +262,7 @@ def _non_finite_from_the_cli(out_dir: str) -> tuple[int, str]:
 
     original = StepRunner.train_step
 
-    def broken(self: StepRunner, batches: Any, lr: float) -> Any:
+    def broken(self: StepRunner, batches: Any, lr: float, **kwargs: Any) -> Any:
         raise FloatingPointError("step 1: the gradient of 'w' holds nan or inf (injected)")
 
     StepRunner.train_step = broken  # type: ignore[method-assign]
