@@ -12,6 +12,7 @@ sums; ``test_checkpoint`` gives the bound).
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +47,8 @@ State = dict[str, dict[str, torch.Tensor]]
 
 
 def _full_state(run: Any) -> State:
-    """The optimizer state of every element, assembled from every dp rank's pieces."""
+    """The optimizer state of every element, assembled from every rank's pieces, keyed by
+    the chunk-independent path (the optimizer's names start with the chunk's index)."""
     mine = run.built.optimizer.state_dict()["params"]
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
@@ -54,7 +56,7 @@ def _full_state(run: Any) -> State:
     for shard in ranks:
         for name, entry in shard.items():
             numel = int(torch.Size(entry["shape"]).numel())
-            fields = out.setdefault(name, {})
+            fields = out.setdefault(re.sub(r"^(\d+\.)+", "", name), {})
             for piece in entry["pieces"]:
                 values = {"master": piece["master"], **piece["state"]}
                 for key, value in values.items():
@@ -131,8 +133,20 @@ def test_checkpoints_reshard_between_zero_stages(
     saved_at: tuple[dict[str, object], int],
     loaded_at: list[tuple[dict[str, object], int]],
 ) -> None:
+    _check(dist_pool, tmp_path, saved_at, loaded_at)
+
+
+def _check(
+    dist_pool: DistPool,
+    tmp_path: Path,
+    saved_at: tuple[dict[str, object], int],
+    loaded_at: list[tuple[dict[str, object], int]],
+) -> None:
+    """Save at ``saved_at`` (layout, world); load at each of ``loaded_at`` and compare."""
     results = dist_pool.run(_save, saved_at[1], args=(str(tmp_path), saved_at[0]), timeout=300)
-    saved, state, loss, after = results[0][0], results[0][1], results[0][2], results[0][3]
+    saved, state, loss = _merge([r[0] for r in results]), results[0][1], results[0][2]
+    after = _merge([r[3] for r in results])
+    assert {r[2] for r in results} == {loss}
     assert all(torch.isfinite(v).all() for v in saved.values())
     for layout, world in loaded_at:
         out = dist_pool.run(_load, world, args=(str(tmp_path), layout), timeout=300)

@@ -52,7 +52,9 @@ class Built:
     expert_ddp: DistributedDataParallel | None = None
     packing: DocumentPacking | None = None
     pp_schedule: str = "1f1b"
-    """``parallel.pp_schedule`` resolved (``1f1b``, ``interleaved`` or ``zb-h1``)."""
+    """``parallel.pp_schedule`` resolved: ``1f1b``, ``interleaved``, ``zb-h1``, or the V
+    schedules ``zbv`` and ``dualpipev`` (vpp 2: chunk 1 of pp rank ``r`` is virtual stage
+    ``2 pp - 1 - r``, so rank 0 holds the first and the last stage)."""
     whole_ddp: DistributedDataParallel | None = None
     """Under ``parallel.sharding`` gradients/parameters: the parameters whose gradients are
     summed over tp or pp after the dp reduction (sequence-parallel norms, a tied embedding

@@ -18,11 +18,17 @@ def check_sharding(config: TrainerConfig, model: GPTConfig) -> None:
     p, t = config.parallel, config.train
     stage = p.zero_stage
     if p.dp_shard is not None and model.is_moe:
-        raise ValueError(
-            f"parallel.dp_shard ({p.dp_shard}) with an MoE model (num_experts "
-            f"{model.num_experts}) is not supported yet: the expert weights shard over the "
-            "expert data-parallel group, which HSDP does not split; leave dp_shard unset"
-        )
+        # experts shard within the part of edp inside one replica of tp*cp*dp_shard ranks
+        # (RankLayout's edp_shard), which needs one of the two to divide the other
+        pc = p.parallel_config()
+        experts, replica = pc.ep * pc.expert_tp, pc.tp * pc.cp * p.dp_shard
+        if replica % experts and experts % replica:
+            raise ValueError(
+                f"parallel.dp_shard ({p.dp_shard}) with an MoE model needs ep*etp "
+                f"({pc.ep}*{pc.expert_tp} = {experts}) and tp*cp*dp_shard ({pc.tp}*{pc.cp}*"
+                f"{p.dp_shard} = {replica}) to divide one another, so that each expert shard "
+                "group lies inside one replica; choose a dp_shard for which they do"
+            )
     if p.optimizer_offload and not p.distributed_optimizer:
         raise ValueError(
             "parallel.optimizer_offload moves the distributed optimizer's fp32 shards to the "
