@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from _hf_cli import train_from_cli
 from _hf_common import forward_stages, one_sentence, randomise, read_all, save
+from _hf_export_check import assert_export_identical
 
 from mega_models import GPTModel, model_config
 from mega_models.hf import (
@@ -125,28 +126,13 @@ def test_qwen3_moe_import_matches_transformers_and_export_is_identical(
     tp: int,
     ep: int,
 ) -> None:
-    import transformers
 
     hf_dir, ids, ref = qwen3_moe
     out = tmp_path / "export"
     dist_pool.run(_import_export, tp * ep, args=(str(hf_dir), str(out), tp, ep, ids, ref))
-    original, exported = read_all(hf_dir), read_all(out)
+    exported = assert_export_identical(hf_dir, out, "Qwen3MoeForCausalLM", ids, ref)
     assert "model.layers.2.mlp.experts.7.up_proj.weight" in exported
     assert "model.layers.1.mlp.down_proj.weight" in exported  # the mlp_only layer
-    assert sorted(exported) == sorted(original)
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype, name
-        assert torch.equal(exported[name], tensor), name
-    written = json.loads((out / "config.json").read_text())
-    source = json.loads((hf_dir / "config.json").read_text())
-    assert {k: written.get(k) for k in source} == source  # every key, special tokens included
-    assert set(written) - set(source) <= {"rope_theta", "torch_dtype"}  # for 4.x readers
-    theirs, mine = (transformers.AutoConfig.from_pretrained(p).to_dict() for p in (hf_dir, out))
-    assert {**mine, "_name_or_path": ""} == {**theirs, "_name_or_path": ""}
-    model: Any = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    with torch.no_grad():
-        assert torch.equal(model.eval()(input_ids=ids).logits, ref)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -30,7 +30,7 @@ from mega_tp_layers import (
     ScaledNormal,
 )
 
-__all__ = ["SelfAttention", "dropout_rng", "run_core"]
+__all__ = ["AttentionBase", "SelfAttention", "dropout_rng", "run_core"]
 
 
 def _core_replaying_rng_eager(
@@ -101,13 +101,11 @@ def run_core(
     return out
 
 
-class SelfAttention(nn.Module):
-    """``[s(/tp), b, h] -> [s(/tp), b, h]``: fused QKV column GEMM, core attention, row GEMM.
-
-    The fused QKV weight's full layout is grouped by key/value head: for each KV group,
-    its query heads, then its key head, then its value head. Splitting those rows evenly
-    over tp gives each rank whole KV groups, so the full weight is the same at any tp.
-    """
+class AttentionBase(nn.Module):
+    """The set-up every attention layer shares: its groups, heads per tp rank, dropout and
+    recompute settings; then ``_build(config, linear)`` makes the layer's weights, with
+    ``linear`` the factory arguments of its tp linears (``tp_group``, ``sequence_parallel``,
+    ``device``, ``dtype``, ``fp8``, ``tp_comm_overlap``)."""
 
     def __init__(
         self,
@@ -125,25 +123,46 @@ class SelfAttention(nn.Module):
         tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
-        c = config
-        if c.attention != "mha":
+        self._check(config)
+        tp = group_size(tp_group)
+        self.tp_group, self.tp, self.cp = tp_group, tp, group_size(cp_group)
+        self.cp_group, self.cp_method = cp_group, cp_method
+        self.sequence_parallel = sequence_parallel
+        self.heads = config.num_attention_heads // tp
+        self.dropout, self.recompute_core, self.rng = config.attention_dropout, recompute_core, rng
+        linear: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
+                  "device": device, "dtype": dtype, "fp8": fp8,
+                  "tp_comm_overlap": tp_comm_overlap}  # fmt: skip
+        self._build(config, linear)
+
+    def _check(self, config: GPTConfig) -> None:
+        """Raise for a config this layer does not build."""
+
+    def _build(self, config: GPTConfig, linear: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class SelfAttention(AttentionBase):
+    """``[s(/tp), b, h] -> [s(/tp), b, h]``: fused QKV column GEMM, core attention, row GEMM.
+
+    The fused QKV weight's full layout is grouped by key/value head: for each KV group,
+    its query heads, then its key head, then its value head. Splitting those rows evenly
+    over tp gives each rank whole KV groups, so the full weight is the same at any tp.
+    """
+
+    def _check(self, config: GPTConfig) -> None:
+        if config.attention != "mha":
             raise ValueError(
                 f"SelfAttention builds standard attention, but config.attention is "
-                f"{c.attention!r}; build MultiLatentAttention for it (TransformerLayer picks "
-                "it), or set attention = 'mha'"
+                f"{config.attention!r}; build MultiLatentAttention for it (TransformerLayer "
+                "picks it), or set attention = 'mha'"
             )
-        tp = group_size(tp_group)
-        self.tp, self.cp = tp, group_size(cp_group)
-        self.cp_group, self.cp_method = cp_group, cp_method
-        self.heads = c.num_attention_heads // tp
-        self.kv_heads = c.kv_heads // tp
+
+    def _build(self, config: GPTConfig, linear: dict[str, Any]) -> None:
+        c = config
+        self.kv_heads = c.kv_heads // self.tp
         self.head_dim = c.head_dim
-        self.dropout = c.attention_dropout
-        self.recompute_core = recompute_core
-        self.rng = rng
-        common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
-                  "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8,
-                  "tp_comm_overlap": tp_comm_overlap}  # fmt: skip
+        common = {**linear, "bias": c.add_bias}
         qkv_out = (c.num_attention_heads + 2 * c.kv_heads) * c.head_dim
         self.qkv = ColumnParallelLinear(
             c.hidden_size, qkv_out, init_method=Normal(c.init_std),
@@ -156,9 +175,9 @@ class SelfAttention(nn.Module):
         self.q_norm = self.k_norm = None
         if c.qk_norm:
             kw: dict[str, Any] = {
-                "device": device,
-                "dtype": dtype,
-                "tp_group": tp_group,
+                "device": linear["device"],
+                "dtype": linear["dtype"],
+                "tp_group": self.tp_group,
                 "partial_grads": True,
             }
             self.q_norm = Norm(c.head_dim, "rmsnorm", c.norm_eps, **kw)

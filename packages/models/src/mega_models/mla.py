@@ -33,26 +33,21 @@ attention everywhere. Context parallel (ring or all-gather) takes unequal dims d
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed import ProcessGroup
 
-from mega_models.attention import dropout_rng, run_core
+from mega_models.attention import AttentionBase, dropout_rng, run_core
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention
 from mega_models.doc_mask import DocumentMask, document_attention
 from mega_models.norms import Norm
 from mega_models.replicated_linear import ReplicatedLinear
 from mega_models.rope import apply_rope
-from mega_parallel_grid import group_size
 from mega_tp_layers import (
     ColumnParallelLinear,
-    Fp8Recipe,
     Normal,
-    RNGStatesTracker,
     RowParallelLinear,
     ScaledNormal,
     copy_to_tp_region,
@@ -75,46 +70,22 @@ def latent_sdpa(
     return out[..., :dv] if pad else out
 
 
-class MultiLatentAttention(nn.Module):
+class MultiLatentAttention(AttentionBase):
     """``[s(/tp), b, h] -> [s(/tp), b, h]``: :class:`~mega_models.attention.SelfAttention`'s
     calling convention, ``forward(x, rope, seq_len)`` with rope tables ``qk_rope`` wide."""
 
-    def __init__(
-        self,
-        config: GPTConfig,
-        *,
-        tp_group: ProcessGroup,
-        cp_group: ProcessGroup,
-        sequence_parallel: bool,
-        cp_method: Literal["ring", "all_gather"] = "ring",
-        recompute_core: bool = False,
-        rng: RNGStatesTracker | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        fp8: Fp8Recipe | None = None,
-        tp_comm_overlap: bool = False,
-    ) -> None:
-        super().__init__()
+    def _build(self, config: GPTConfig, linear: dict[str, Any]) -> None:
         c = config
         assert c.attention == "mla" and c.kv_lora_rank and c.qk_nope_head_dim
         assert c.qk_rope_head_dim and c.v_head_dim
-        tp = group_size(tp_group)
         n, h = c.num_attention_heads, c.hidden_size
-        self.tp_group, self.tp, self.cp = tp_group, tp, group_size(cp_group)
-        self.cp_group, self.cp_method = cp_group, cp_method
-        self.sequence_parallel = sequence_parallel
-        self.heads = n // tp
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora = c.kv_lora_rank
         self.scale = c.softmax_scale
-        self.dropout, self.recompute_core, self.rng = c.attention_dropout, recompute_core, rng
-        col: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
-               "device": device, "dtype": dtype, "bias": False, "fp8": fp8,
-               "tp_comm_overlap": tp_comm_overlap, "init_method": Normal(c.init_std)}  # fmt: skip
-        rep: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
-               "device": device, "dtype": dtype, "fp8": fp8, "init_method": Normal(c.init_std)}  # fmt: skip
-        norm: dict[str, Any] = {"tp_group": tp_group, "partial_grads": sequence_parallel,
-                                "device": device, "dtype": dtype}  # fmt: skip
+        col: dict[str, Any] = {**linear, "bias": False, "init_method": Normal(c.init_std)}
+        rep: dict[str, Any] = {k: v for k, v in col.items() if k not in ("bias", "tp_comm_overlap")}
+        norm: dict[str, Any] = {"tp_group": self.tp_group, "partial_grads": self.sequence_parallel,
+                                "device": linear["device"], "dtype": linear["dtype"]}  # fmt: skip
         qk = self.nope + self.rope_dim
         self.q_down: ReplicatedLinear | None = None
         self.q_norm: Norm | None = None
