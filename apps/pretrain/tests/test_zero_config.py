@@ -59,10 +59,6 @@ REFUSED = [
         r"parallel.overlap_param_gather does not apply to parallel.sharding 'parameters'",
     ),
     (
-        [("parallel.dp_shard", "2"), ("model.size", "mixtral-tiny"), ("ep", "2")],
-        r"parallel.dp_shard \(2\) with an MoE model \(num_experts \d+\) is not supported yet",
-    ),
-    (
         [("parallel.sharding", "parameters"), ("train.compile", "true")],
         r"train.compile with parallel.sharding 'parameters' is not supported yet",
     ),
@@ -75,6 +71,24 @@ def test_impossible_combinations_fail_at_config_time(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         _check(*overrides)
+
+
+def test_moe_hsdp_refuses_expert_shards_straddling_replicas() -> None:
+    """ep*etp 2 and a replica of 3 ranks: neither divides the other."""
+    message = (
+        r"^parallel.dp_shard \(3\) with an MoE model needs ep\*etp \(2\*1 = 2\) and "
+        r"tp\*cp\*dp_shard \(1\*1\*3 = 3\) to divide one another, so that each expert "
+        r"shard group lies inside one replica; choose a dp_shard for which they do$"
+    )
+    with pytest.raises(ValueError, match=message):
+        _check(
+            ("parallel.dp_shard", "3"),
+            ("model.size", "mixtral-tiny"),
+            ("ep", "2"),
+            ("train.micro_batch_size", "2"),
+            ("train.global_batch_size", "12"),
+            world=6,
+        )
 
 
 @pytest.mark.parametrize(

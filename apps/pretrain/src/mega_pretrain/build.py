@@ -210,8 +210,10 @@ def _wrap(
         "bucket_size": p.bucket_size, "overlap_grad_reduce": p.overlap_grad_reduce,
     }  # fmt: skip
     # HSDP (parallel.dp_shard): the dense wrappers shard within dp_shard x cp and all-reduce
-    # across the replicas; the experts are refused at config time
+    # across the replicas; the experts shard within edp_shard (the part of edp inside one
+    # replica) and all-reduce across edp_replicate
     hsdp = p.dp_shard is not None and groups.size("dp_replicate") > 1
+    expert_hsdp = p.dp_shard is not None and groups.size("edp_replicate") > 1
     dense_group = groups.dp_shard_cp if hsdp else groups.dp_cp
     replicas = groups.dp_replicate if hsdp else None
     zero: dict[str, Any] = {"sharding": stage, "gather_units": units}
@@ -232,8 +234,10 @@ def _wrap(
         # the tokens its ep x etp ranks routed to it: summed over edp and scaled by 1/(dp*cp)
         # it is the same mean over the global batch as the dense gradients' average.
         expert_ddp = DistributedDataParallel(
-            wrapped, dp_group=groups.edp, param_filter=_expert, grad_reduce="sum",
-            grad_scale=1.0 / groups.size("dp_cp"), **common, **zero,
+            wrapped, dp_group=groups.edp_shard if expert_hsdp else groups.edp,
+            replicate_group=groups.edp_replicate if expert_hsdp else None,
+            param_filter=_expert, grad_reduce="sum", grad_scale=1.0 / groups.size("dp_cp"),
+            **common, **zero,
         )  # fmt: skip
     whole_ddp = None
     if has_whole:

@@ -12,7 +12,13 @@ from mega_parallel_grid.groups import (
     group_size,
     init_process_groups,
 )
-from mega_parallel_grid.layout import DENSE_DIMS, EXPERT_DIMS, HSDP_DIMS, RankLayout
+from mega_parallel_grid.layout import (
+    DENSE_DIMS,
+    EXPERT_DIMS,
+    EXPERT_HSDP_DIMS,
+    HSDP_DIMS,
+    RankLayout,
+)
 
 try:
     __version__ = importlib.metadata.version("mega-parallel-grid")
@@ -24,6 +30,7 @@ __all__ = [
     "DENSE_DIMS",
     "DIMENSION_NAMES",
     "EXPERT_DIMS",
+    "EXPERT_HSDP_DIMS",
     "GROUP_DIMS",
     "HSDP_DIMS",
     "Group",

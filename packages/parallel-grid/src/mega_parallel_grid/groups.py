@@ -58,6 +58,8 @@ GROUP_DIMS: dict[str, str] = {
     "dp_shard": "dp_shard",
     "dp_replicate": "dp_replicate",
     "dp_shard_cp": "dp_shard-cp",
+    "edp_shard": "edp_shard",
+    "edp_replicate": "edp_replicate",
 }
 
 
@@ -88,6 +90,10 @@ class ProcessGroups:
     """HSDP: the ranks holding the same shard (one rank unless ``dp_shard`` is set)."""
     dp_shard_cp: ProcessGroup
     """HSDP with context parallelism: the shard group times cp (``dp_cp`` without HSDP)."""
+    edp_shard: ProcessGroup
+    """HSDP: the ranks an expert shard group spans, inside edp (all of edp without HSDP)."""
+    edp_replicate: ProcessGroup
+    """HSDP: the ranks holding the same expert shard (one rank without HSDP)."""
     embedding: ProcessGroup
     world: ProcessGroup
     layout: RankLayout = field(repr=False)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from math import prod
+from math import gcd, prod
 
 from mega_parallel_grid.config import ParallelConfig
 
-__all__ = ["DENSE_DIMS", "EXPERT_DIMS", "HSDP_DIMS", "RankLayout"]
+__all__ = ["DENSE_DIMS", "EXPERT_DIMS", "EXPERT_HSDP_DIMS", "HSDP_DIMS", "RankLayout"]
 
 #: Dimensions of the dense (attention / MLP) layout: tp x cp x dp x pp.
 DENSE_DIMS: tuple[str, ...] = ("tp", "cp", "dp", "pp")
@@ -14,9 +14,13 @@ DENSE_DIMS: tuple[str, ...] = ("tp", "cp", "dp", "pp")
 HSDP_DIMS: tuple[str, ...] = ("dp_shard", "dp_replicate")
 #: Dimensions of the expert (MoE) layout: etp x ep x edp x pp, folded over the same ranks.
 EXPERT_DIMS: tuple[str, ...] = ("etp", "ep", "edp", "pp")
+#: The two factors of edp under HSDP (edp_shard varies fastest inside edp); see RankLayout.
+EXPERT_HSDP_DIMS: tuple[str, ...] = ("edp_shard", "edp_replicate")
 
 # Expert names stand in the ``order`` string at the place of their dense counterpart.
 _EXPERT_SLOT = {"etp": "tp", "ep": "ep", "edp": "dp", "pp": "pp"}
+# ... and edp's HSDP factors at the place of dp's.
+_EXPERT_HSDP_SLOT = {"edp_shard": "dp_shard", "edp_replicate": "dp_replicate"}
 
 
 def _orthogonal_groups(sizes: list[int], members: list[bool]) -> list[list[int]]:
@@ -56,6 +60,17 @@ class RankLayout:
     [[0, 1], [2, 3], [4, 5], [6, 7]]
     >>> layout.groups("pp")
     [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+    HSDP cuts dp into ``dp_shard`` (fastest) x ``dp_replicate``; a *replica* is the set of
+    ranks with one ``dp_replicate`` coordinate, holding one sharded copy of the model. The
+    experts' edp is cut the same way, ``edp = edp_shard + edp_replicate * layout.edp_shard``
+    (edp_shard fastest), with ``layout.edp_replicate = gcd(edp, dp_replicate)``: when
+    ep*etp divides tp*cp*dp_shard that is dp_replicate, and in the default order the expert
+    shard group is the part of edp inside one replica (Megatron's expert groups within and
+    across distributed-optimizer instances); when tp*cp*dp_shard divides ep*etp (a replica
+    is too small to hold every expert) it is edp, each rank alone in its shard group.
+    Either way every edp_shard group holds the same experts and meets its edp_replicate
+    group in one rank.
     """
 
     def __init__(self, world_size: int, config: ParallelConfig) -> None:
@@ -87,6 +102,8 @@ class RankLayout:
             )
         self.dp_replicate = self.dp // self.dp_shard
         self.edp = dense_replica // expert_inner
+        self.edp_replicate = gcd(self.edp, self.dp_replicate)
+        self.edp_shard = self.edp // self.edp_replicate
         names = config.ordered_names
         if "dp" not in config.order.lower().split("-") and (self.dp > 1 or self.edp > 1):
             raise ValueError(
@@ -101,6 +118,10 @@ class RankLayout:
         expert = {"tp": c.expert_tp, "cp": 1, "ep": c.ep, "dp": self.edp, "pp": c.pp}
         self._dense_sizes = [dense[n] for n in self._dense_names]
         self._expert_sizes = [expert[n] for n in names]
+        # the expert layout with edp cut into its two HSDP factors, edp_shard fastest
+        self._expert_hsdp_names = [m for n in names for m in (HSDP_DIMS if n == "dp" else (n,))]
+        expert |= {"dp_shard": self.edp_shard, "dp_replicate": self.edp_replicate}
+        self._expert_hsdp_sizes = [expert[n] for n in self._expert_hsdp_names]
         if c.pp > 1 and _orthogonal_groups(
             self._dense_sizes, [n == "pp" for n in self._dense_names]
         ) != _orthogonal_groups(self._expert_sizes, [n == "pp" for n in names]):
@@ -121,17 +142,22 @@ class RankLayout:
 
     def _parse(self, dims: str) -> tuple[list[int], list[bool]]:
         tokens = dims.lower().split("-")
-        known = set(DENSE_DIMS) | set(EXPERT_DIMS) | set(HSDP_DIMS)
+        known = set(DENSE_DIMS) | set(EXPERT_DIMS) | set(HSDP_DIMS) | set(EXPERT_HSDP_DIMS)
         for t in tokens:
             if t not in known:
                 raise ValueError(
                     f"unknown dimension {t!r} in {dims!r}; use names from "
-                    f"{', '.join(DENSE_DIMS + EXPERT_DIMS[:3] + HSDP_DIMS)} joined by '-'"
+                    f"{', '.join(DENSE_DIMS + EXPERT_DIMS[:3] + HSDP_DIMS + EXPERT_HSDP_DIMS)} "
+                    "joined by '-'"
                 )
-        if len(set(tokens)) != len(tokens) or ("dp" in tokens and set(HSDP_DIMS) & set(tokens)):
+        if (
+            len(set(tokens)) != len(tokens)
+            or ("dp" in tokens and set(HSDP_DIMS) & set(tokens))
+            or ("edp" in tokens and set(EXPERT_HSDP_DIMS) & set(tokens))
+        ):
             raise ValueError(f"{dims!r} names a dimension twice; name each once")
         dense_only = {"tp", "cp", "dp", *HSDP_DIMS} & set(tokens)
-        expert_only = {"etp", "ep", "edp"} & set(tokens)
+        expert_only = {"etp", "ep", "edp", *EXPERT_HSDP_DIMS} & set(tokens)
         if dense_only and expert_only:
             raise ValueError(
                 f"{dims!r} mixes dense ({', '.join(sorted(dense_only))}) and expert "
@@ -139,6 +165,9 @@ class RankLayout:
                 "etp/ep/edp (and pp), the dense one tp/cp/dp (and pp)"
             )
         if expert_only:
+            if set(EXPERT_HSDP_DIMS) & set(tokens):
+                slots = {_EXPERT_HSDP_SLOT.get(t) or _EXPERT_SLOT[t] for t in tokens}
+                return self._expert_hsdp_sizes, [n in slots for n in self._expert_hsdp_names]
             slots = {_EXPERT_SLOT[t] for t in tokens}
             return self._expert_sizes, [n in slots for n in self._names]
         wanted = set(tokens) | (set(HSDP_DIMS) if "dp" in tokens else set())
@@ -148,7 +177,8 @@ class RankLayout:
         """All groups of one dimension or a hyphenated combination (``"tp"``, ``"dp-cp"``).
 
         ``"dp_shard"`` and ``"dp_replicate"`` (HSDP) are the two factors of dp and combine
-        like the others (``"dp_shard-cp"``: the ZeRO shard group of a context-parallel run).
+        like the others (``"dp_shard-cp"``: the ZeRO shard group of a context-parallel run);
+        ``"edp_shard"`` and ``"edp_replicate"`` are edp's (see the class doc).
         """
         sizes, members = self._parse(dims)
         return _orthogonal_groups(sizes, members)
@@ -163,7 +193,8 @@ class RankLayout:
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index in every single dimension, dense and expert, and in dp's two
-        HSDP factors (``dp = dp_shard + dp_replicate * layout.dp_shard``)."""
+        HSDP factors (``dp = dp_shard + dp_replicate * layout.dp_shard``) and edp's
+        (``edp = edp_shard + edp_replicate * layout.edp_shard``)."""
         self._check_rank(rank)
         dense = dict(zip(self._dense_names, _digits(rank, self._dense_sizes), strict=True))
         expert = dict(zip(self._names, _digits(rank, self._expert_sizes), strict=True))
@@ -172,6 +203,8 @@ class RankLayout:
             "tp": dense["tp"], "cp": dense["cp"], "dp": dp, "pp": dense["pp"],
             "etp": expert["tp"], "ep": expert["ep"], "edp": expert["dp"],
             "dp_shard": dense["dp_shard"], "dp_replicate": dense["dp_replicate"],
+            "edp_shard": expert["dp"] % self.edp_shard,
+            "edp_replicate": expert["dp"] // self.edp_shard,
         }  # fmt: skip
 
     def embedding_ranks(self, rank: int) -> list[int]:

@@ -1,0 +1,105 @@
+"""Contract: HSDP (``parallel.dp_shard``) for an MoE model through the trainer equals one process.
+
+``test_moe_training``'s check (Mixtral-style, 2 layers, hidden 32, 4 experts, top-2; 3 AdamW
+steps clipped below every step's norm; losses, gradient norms, router statistics and the
+full weights against one plain process, with its rounding bounds) at dp 4 = 2 shards x 2
+replicas. The dense weights shard over dp_shard and all-reduce across dp_replicate; the
+expert weights shard over edp_shard (the part of the expert data-parallel group inside one
+replica) and all-reduce across edp_replicate. The gradient norm must count each shard once:
+counting the replicas' copies of the expert shards too would put the experts' squares in
+twice. Each worker also checks that the expert wrapper got those groups, and at ZeRO-2/3
+that only the shards stay allocated after the last step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import test_moe_training as moe
+import test_zero_trainer as zero_trainer
+import torch.distributed as dist
+
+from mega_parallel_grid.testing import DistPool
+from mega_pretrain.build import Built, build
+from mega_pretrain.config import load_config
+from mega_pretrain.plan import plan_for
+from mega_pretrain.validate import check_config
+from mega_zero_optim.sharded_buffer import ShardedBuffer
+
+# (parallel settings, dp): ep 2 over dp 4 = 2 x 2 puts each expert once in a replica
+# (edp_shard 1, edp_replicate 2); ep 1 shards the experts over 2 ranks of a replica.
+CASES = [
+    ({"ep": 2, "dp_shard": 2, "sharding": "optimizer"}, 4),
+    ({"ep": 2, "dp_shard": 2, "sharding": "gradients"}, 4),
+    ({"ep": 2, "dp_shard": 2, "sharding": "parameters"}, 4),
+    ({"ep": 1, "dp_shard": 2, "sharding": "gradients"}, 4),
+    ({"ep": 1, "dp_shard": 2, "sharding": "parameters"}, 4),
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "dp"),
+    CASES,
+    ids=[f"ep{lay['ep']}-dp{dp}-dp_shard2-{lay['sharding']}" for lay, dp in CASES],
+)
+def test_moe_hsdp_trains_like_one_process(
+    dist_pool: DistPool, layout: dict[str, object], dp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(moe, "_parallel", _hsdp_parallel)  # the workers run it by name
+    moe._check(dist_pool, layout, moe.MIXTRAL, dp)
+
+
+def _hsdp_parallel(layout: dict[str, object], *args: Any) -> Any:
+    """test_zero_trainer's MoE run (full weights read inside ``gathered_parameters``), then
+    a look at the expert wrapper's groups and shards."""
+    built: list[Built] = []
+
+    def recording(*a: Any, **k: Any) -> Built:
+        built.append(build(*a, **k))
+        return built[-1]
+
+    zero_trainer.build = recording
+    try:
+        result = zero_trainer._moe_parallel(layout, *args)
+    finally:
+        zero_trainer.build = build
+    _check_expert_wrapper(built[-1], layout)
+    return result
+
+
+def _check_expert_wrapper(built: Built, layout: dict[str, object]) -> None:
+    ddp = built.expert_ddp
+    assert ddp is not None
+    world, ep, dp_shard = dist.get_world_size(), int(str(layout["ep"])), 2
+    replicas = world // dp_shard
+    assert (ddp.dp_size, ddp.replicate_size) == (dp_shard // ep, replicas)
+    assert ddp.replicate_group is not None
+    mine = set(dist.get_process_group_ranks(ddp.dp_group))
+    across = set(dist.get_process_group_ranks(ddp.replicate_group))
+    assert mine & across == {dist.get_rank()}
+    assert (built.ddp.dp_size, built.ddp.replicate_size) == (dp_shard, replicas)
+    assert ddp.sharding == layout["sharding"]
+    for buffer in ddp.param_and_grad_buffers:  # between steps only the shards are allocated
+        if ddp.sharding != "optimizer":
+            assert isinstance(buffer, ShardedBuffer)
+            assert buffer.grad_bytes == buffer.grad_shard_data.numel() * 4
+            assert buffer.grad_shard_data.numel() * ddp.dp_size >= buffer.numel
+            if ddp.sharding == "parameters":
+                assert buffer.param_bytes == buffer.numel // ddp.dp_size * 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world"),
+    [
+        ([("ep", "2"), ("parallel.dp_shard", "2")], 4),  # a replica holds each expert once
+        ([("ep", "4"), ("parallel.dp_shard", "2")], 4),  # a replica of 2 holds half of them
+        ([("ep", "2"), ("tp", "2"), ("etp", "1"), ("parallel.dp_shard", "2")], 8),
+    ],
+    ids=["ep2-dp4", "ep4-dp4", "ep2-tp2-etp1-dp4"],
+)
+def test_moe_hsdp_configs_pass_the_checks(overrides: list[tuple[str, str]], world: int) -> None:
+    config = load_config(
+        None, [("model.size", "mixtral-tiny"), ("train.micro_batch_size", "2"), *overrides]
+    )
+    check_config(config, plan_for(config, world).model, world)
