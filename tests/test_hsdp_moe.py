@@ -28,20 +28,22 @@ from mega_pretrain.validate import check_config
 from mega_zero_optim.sharded_buffer import ShardedBuffer
 
 # (parallel settings, dp): ep 2 over dp 4 = 2 x 2 puts each expert once in a replica
-# (edp_shard 1, edp_replicate 2); ep 1 shards the experts over 2 ranks of a replica.
+# (edp_shard 1, edp_replicate 2); ep 1 shards the experts over 2 ranks of a replica, and so
+# does ep 2 beside tp 2 with etp 1 (a replica of 4 ranks holds every expert twice).
 CASES = [
     ({"ep": 2, "dp_shard": 2, "sharding": "optimizer"}, 4),
     ({"ep": 2, "dp_shard": 2, "sharding": "gradients"}, 4),
     ({"ep": 2, "dp_shard": 2, "sharding": "parameters"}, 4),
     ({"ep": 1, "dp_shard": 2, "sharding": "gradients"}, 4),
     ({"ep": 1, "dp_shard": 2, "sharding": "parameters"}, 4),
+    ({"tp": 2, "etp": 1, "ep": 2, "dp_shard": 2, "sharding": "gradients"}, 4),  # experts 2 x 2
 ]
 
 
 @pytest.mark.parametrize(
     ("layout", "dp"),
     CASES,
-    ids=[f"ep{lay['ep']}-dp{dp}-dp_shard2-{lay['sharding']}" for lay, dp in CASES],
+    ids=["-".join(f"{k}{v}" for k, v in lay.items()) + f"-dp{dp}" for lay, dp in CASES],
 )
 def test_moe_hsdp_trains_like_one_process(
     dist_pool: DistPool, layout: dict[str, object], dp: int, monkeypatch: pytest.MonkeyPatch
@@ -71,9 +73,11 @@ def _hsdp_parallel(layout: dict[str, object], *args: Any) -> Any:
 def _check_expert_wrapper(built: Built, layout: dict[str, object]) -> None:
     ddp = built.expert_ddp
     assert ddp is not None
-    world, ep, dp_shard = dist.get_world_size(), int(str(layout["ep"])), 2
-    replicas = world // dp_shard
-    assert (ddp.dp_size, ddp.replicate_size) == (dp_shard // ep, replicas)
+    tp, ep, dp_shard = (int(str(layout.get(k, 1))) for k in ("tp", "ep", "dp_shard"))
+    etp = int(str(layout.get("etp", tp)))
+    replicas = dist.get_world_size() // (tp * dp_shard)  # no pp or cp here
+    # experts: the tp*dp_shard ranks of a replica, ep*etp of them per copy of every expert
+    assert (ddp.dp_size, ddp.replicate_size) == (tp * dp_shard // (ep * etp), replicas)
     assert ddp.replicate_group is not None
     mine = set(dist.get_process_group_ranks(ddp.dp_group))
     across = set(dist.get_process_group_ranks(ddp.replicate_group))
