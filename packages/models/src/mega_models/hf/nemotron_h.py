@@ -10,7 +10,6 @@ with an index, the tensors exactly as transformers saves them. The config mappin
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -20,7 +19,6 @@ import torch
 from torch import Tensor
 
 from mega_models.hf.config import HFSource, read_hf_config
-from mega_models.hf.gather import gather_full_state
 from mega_models.hf.hybrid_mapping import (
     BACKBONE,
     HybridTensorMap,
@@ -38,7 +36,12 @@ from mega_models.hf.nemotron_h_config import (
     nemotron_h_config_from_hf,
 )
 from mega_models.hf.reader import SafetensorsReader
-from mega_models.hf.save import DEFAULT_MAX_SHARD_SIZE, write_safetensors
+from mega_models.hf.save import (
+    DEFAULT_MAX_SHARD_SIZE,
+    source_state,
+    state_dtype_name,
+    write_hf_folder,
+)
 from mega_models.hybrid import HybridModel
 from mega_models.hybrid_config import HybridConfig
 from mega_tp_layers import shard_spec
@@ -226,39 +229,17 @@ def save_nemotron_h_checkpoint(
     export does not own; one of another model's dimensions fails in one sentence. ``dtype``
     casts the tensors. Returns the names of the files written. Local: call it on one rank.
     """
-    if isinstance(source, Mapping):
-        if config is None:
-            raise ValueError("save_nemotron_h_checkpoint of a tensor mapping needs config=")
-        state: dict[str, Tensor] = dict(source)
-    else:
-        models = [source] if isinstance(source, HybridModel) else list(source)
-        if not models:
-            raise ValueError(
-                "save_nemotron_h_checkpoint got an empty list of models; pass every stage"
-            )
-        tp = models[0].groups.size("tp")
-        if tp != 1:
-            raise ValueError(
-                f"model is split over tp ({tp}); call gather_full_state([model], pp_group) on "
-                "every rank and pass its result from the first rank"
-            )
-        config = config if config is not None else models[0].config
-        gathered = gather_full_state(models)  # type: ignore[arg-type]  # HybridModels alike
-        assert gathered is not None
-        state = gathered
+    state, full = source_state(
+        source, config, saver="save_nemotron_h_checkpoint", model_type=HybridModel,
+        split_dims=("tp",),
+    )  # fmt: skip
     base = None
     if base_config is not None:
         check_nemotron_h_base(
-            config, base_config, "pass the config.json this model was imported from, or none"
+            full, base_config, "pass the config.json this model was imported from, or none"
         )
         base = read_hf_config(base_config)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
-    first = next(iter(state.values()), None)
-    dtype_name = str(first.dtype if first is not None else torch.float32).removeprefix("torch.")
-    hf_config = hf_config_from_nemotron_h(config, dtype=dtype_name, base=base)
-    tensors = nemotron_h_state_dict(state, config)
-    files = write_safetensors(tensors, out_dir, max_shard_size)
-    text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
-    (Path(out_dir) / "config.json").write_text(text, encoding="utf-8")
-    return ["config.json", *files]
+    hf_config = hf_config_from_nemotron_h(full, dtype=state_dtype_name(state), base=base)
+    return write_hf_folder(nemotron_h_state_dict(state, full), hf_config, out_dir, max_shard_size)

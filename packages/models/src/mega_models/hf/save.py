@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mega_models.config import GPTConfig
 from mega_models.gpt import GPTModel
@@ -39,7 +39,14 @@ from mega_models.hf.reader import INDEX, SINGLE
 from mega_models.hybrid import HybridModel
 from mega_models.hybrid_config import HybridConfig
 
-__all__ = ["hf_state_dict", "save_hf_checkpoint", "write_safetensors"]
+__all__ = [
+    "hf_state_dict",
+    "save_hf_checkpoint",
+    "source_state",
+    "state_dtype_name",
+    "write_hf_folder",
+    "write_safetensors",
+]
 
 #: Default largest shard file, in bytes (Hugging Face's "5GB").
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -181,8 +188,54 @@ def write_safetensors(
     return [*files, INDEX]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+_Config = TypeVar("_Config")
+
+
+def source_state(
+    source: Any,
+    config: _Config | None,
+    *,
+    saver: str,
+    model_type: type[nn.Module],
+    split_dims: Sequence[str],
+) -> tuple[dict[str, Tensor], _Config]:
+    """The full tensors and the config of a ``saver`` source: a mapping of full tensors
+    (``config`` then given), one unsplit model of ``model_type`` or a list of them covering
+    every layer (split over none of ``split_dims``)."""
+    if isinstance(source, Mapping):
+        if config is None:
+            raise ValueError(f"{saver} of a tensor mapping needs config=")
+        return dict(source), config
+    models: list[Any] = [source] if isinstance(source, model_type) else list(source)
+    if not models:
+        raise ValueError(f"{saver} got an empty list of models; pass every stage")
+    for model, dim in ((m, d) for m in models for d in split_dims):
+        size = model.groups.size(dim)
+        if size != 1:
+            raise ValueError(
+                f"model is split over {dim} ({size}); call gather_full_state([model], pp_group) "
+                "on every rank and pass its result from the first rank"
+            )
+    gathered = gather_full_state(models)
+    assert gathered is not None
+    return gathered, config if config is not None else cast(_Config, models[0].config)
+
+
+def write_hf_folder(
+    tensors: Mapping[str, Tensor], hf_config: Mapping[str, Any], out_dir: str | Path,
+    max_shard_size: int,
+) -> list[str]:  # fmt: skip
+    """Write ``tensors`` as safetensors shards and ``hf_config`` as config.json; the file names."""
+    files = write_safetensors(dict(tensors), out_dir, max_shard_size)
+    text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
+    (Path(out_dir) / "config.json").write_text(text, encoding="utf-8")
+    return ["config.json", *files]
+
+
+def state_dtype_name(state: Mapping[str, Tensor]) -> str:
+    """The dtype of the first tensor (float32 for none), as config.json names it."""
+    first = next(iter(state.values()), None)
+    return str(first.dtype if first is not None else torch.float32).removeprefix("torch.")
 
 
 def save_hf_checkpoint(
@@ -217,41 +270,21 @@ def save_hf_checkpoint(
             cast(Any, source), out_dir, config=cast(Any, config), base_config=base_config,
             dtype=dtype, max_shard_size=max_shard_size,
         )  # fmt: skip
-    if isinstance(source, Mapping):
-        if config is None:
-            raise ValueError("save_hf_checkpoint of a tensor mapping needs config=GPTConfig(...)")
-        state: dict[str, Tensor] = dict(source)
-    else:
-        models = [source] if isinstance(source, GPTModel) else list(source)
-        if not models:
-            raise ValueError("save_hf_checkpoint got an empty list of models; pass every stage")
-        for model, dim in ((m, d) for m in models for d in ("tp", "ep", "etp")):
-            size = model.groups.size(dim)
-            if size != 1:
-                raise ValueError(
-                    f"model is split over {dim} ({size}); call gather_full_state(model, pp_group) "
-                    "on every rank and pass its result from the first rank"
-                )
-        config = config if config is not None else models[0].config
-        gathered = gather_full_state(models)
-        assert gathered is not None
-        state = gathered
+    state, full = source_state(
+        source, config, saver="save_hf_checkpoint", model_type=GPTModel,
+        split_dims=("tp", "ep", "etp"),
+    )  # fmt: skip
     base = None
     if base_config is not None:
         check_base_config(
-            config, base_config, "pass the config.json this model was imported from, or none"
+            full, base_config, "pass the config.json this model was imported from, or none"
         )
         base = read_hf_config(base_config)
     arch = architecture or (
-        hf_layout(base).architecture if base is not None else default_architecture(config)
+        hf_layout(base).architecture if base is not None else default_architecture(full)
     )
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    first = next(iter(state.values()), None)
-    dtype_name = _dtype_name(first.dtype if first is not None else torch.float32)
-    hf_config = hf_config_from_gpt(config, arch, dtype=dtype_name, base=base)
-    tensors = hf_state_dict(state, config, hf_layout(hf_config))
-    files = write_safetensors(tensors, out_dir, max_shard_size)
-    text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
-    (Path(out_dir) / "config.json").write_text(text, encoding="utf-8")
-    return ["config.json", *files]
+    hf_config = hf_config_from_gpt(full, arch, dtype=state_dtype_name(state), base=base)
+    tensors = hf_state_dict(state, full, hf_layout(hf_config))
+    return write_hf_folder(tensors, hf_config, out_dir, max_shard_size)
