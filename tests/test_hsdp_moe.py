@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mega_parallel_grid.testing import DistPool
 from mega_pretrain.build import Built, build
 from mega_pretrain.config import load_config
+from mega_pretrain.estimate import estimate
 from mega_pretrain.plan import plan_for
 from mega_pretrain.validate import check_config
 from mega_zero_optim.sharded_buffer import ShardedBuffer
@@ -107,3 +108,20 @@ def test_moe_hsdp_configs_pass_the_checks(overrides: list[tuple[str, str]], worl
         None, [("model.size", "mixtral-tiny"), ("train.micro_batch_size", "2"), *overrides]
     )
     check_config(config, plan_for(config, world).model, world)
+
+
+@pytest.mark.parametrize("ep", ["1", "2"])
+@pytest.mark.parametrize("stage", ["optimizer", "gradients", "parameters"])
+def test_moe_hsdp_estimate_shards_like_one_replica(ep: str, stage: str) -> None:
+    """dp 4 = 2 x 2 keeps per rank what dp 2 without HSDP keeps: the experts shard over
+    edp_shard (2 at ep 1, 1 at ep 2), not over all of edp."""
+
+    def bytes_at(world: int, *extra: tuple[str, str]) -> tuple[int, int, int]:
+        config = load_config(None, [
+            ("model.size", "mixtral-tiny"), ("train.micro_batch_size", "2"), ("ep", ep),
+            ("parallel.sharding", stage), ("train.precision", "bf16"), *extra,
+        ])  # fmt: skip
+        est = estimate(plan_for(config, world))
+        return est.weights, est.grads, est.optimizer
+
+    assert bytes_at(4, ("parallel.dp_shard", "2")) == bytes_at(2)

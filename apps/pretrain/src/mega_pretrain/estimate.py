@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 
 from mega_pretrain.plan import Plan
 from mega_pretrain.runtime import resolve_precision
@@ -66,6 +67,8 @@ def estimate(plan: Plan) -> Estimate:
     dp, etp = plan.dp, parallel.expert_tp
     shards = (p.dp_shard or dp) * p.cp if p.distributed_optimizer else 1  # HSDP: the shard group
     expert_shards = max(1, dp * p.cp * p.tp // (p.ep * etp)) if p.distributed_optimizer else 1
+    if p.dp_shard:  # HSDP: experts shard over edp_shard = edp / gcd(edp, dp_replicate)
+        expert_shards //= gcd(expert_shards, dp // p.dp_shard)
     stage = p.zero_stage
 
     def sharded(each: int, kinds: tuple[str, ...]) -> int:
