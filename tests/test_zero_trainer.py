@@ -30,8 +30,12 @@ from mega_zero_optim.sharded_buffer import ShardedBuffer
 Result = tuple[list[float], list[float], dict[str, torch.Tensor]]
 
 
-def _parallel(layout: dict[str, object], model: dict[str, object]) -> Result:
-    config = load_config(None, layouts._overrides(layout, model))
+def _parallel(
+    layout: dict[str, object], model: dict[str, object], train: dict[str, str] | None = None
+) -> Result:
+    train = train or {}
+    extra = [(f"train.{k}", v) for k, v in train.items()]
+    config = load_config(None, layouts._overrides(layout, model) + extra)
     gpt = gpt_config(config)
     check_config(config, gpt, torch.distributed.get_world_size())
     groups = init_process_groups(parallel_config(config))
@@ -45,12 +49,17 @@ def _parallel(layout: dict[str, object], model: dict[str, object]) -> Result:
     )  # fmt: skip
     dp, dp_rank = groups.size("dp"), groups.rank("dp")
     losses, norms = [], []
+    torch._dynamo.utils.counters.clear()
     for step in range(layouts.STEPS):
         mine = layouts._batches(7, step, micro)[dp_rank::dp]
         loss, result = runner.train_step(mine, layouts.LR)
         assert result.updated
         losses.append(float(loss))
         norms.append(result.grad_norm)
+    if config.train.compile:  # ZeRO-3's gather hooks stay outside the compiled layers
+        breaks = dict(torch._dynamo.utils.counters["graph_break"])
+        torch._dynamo.reset()
+        assert breaks == {}, f"graph breaks {breaks}"
     for ddp in built.ddps:
         assert ddp.sharding == (
             config.parallel.zero_stage if ddp is not built.whole_ddp else "optimizer"
@@ -67,10 +76,16 @@ def _parallel(layout: dict[str, object], model: dict[str, object]) -> Result:
 
 
 def _check(
-    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int = 2
+    dist_pool: DistPool,
+    layout: dict[str, object],
+    model: dict[str, object],
+    dp: int = 2,
+    train: dict[str, str] | None = None,
 ) -> None:
     reference = dist_pool.run(layouts._reference, 1, args=(model,))[0]
-    results = dist_pool.run(_parallel, layouts._world(layout, dp), args=(layout, model))
+    results = dist_pool.run(
+        _parallel, layouts._world(layout, dp), args=(layout, model, train), timeout=600
+    )
     layouts._assert_matches(results, reference, model)
 
 
@@ -102,6 +117,14 @@ def test_zero_stage_trains_like_one_process(
     dist_pool: DistPool, layout: dict[str, object], model: dict[str, object]
 ) -> None:
     _check(dist_pool, layout, model)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_zero3_compiled_layers_train_like_one_process(dist_pool: DistPool, recompute: str) -> None:
+    """``train.compile`` (each layer compiled, the head too) at ZeRO-3 dp 2, with and
+    without full recompute: 2 layers, since compiling on the CPU costs seconds a graph."""
+    train = {"compile": "true", "recompute": recompute}
+    _check(dist_pool, {"sharding": "parameters"}, {"num_layers": 2}, train=train)
 
 
 HSDP_CASES = [{"sharding": s, "dp_shard": 2} for s in ("optimizer", "gradients", "parameters")]

@@ -58,10 +58,6 @@ REFUSED = [
         [("parallel.sharding", "parameters"), ("parallel.overlap_param_gather", "true")],
         r"parallel.overlap_param_gather does not apply to parallel.sharding 'parameters'",
     ),
-    (
-        [("parallel.sharding", "parameters"), ("train.compile", "true")],
-        r"train.compile with parallel.sharding 'parameters' is not supported yet",
-    ),
 ]
 
 
@@ -97,10 +93,24 @@ def test_moe_hsdp_refuses_expert_shards_straddling_replicas() -> None:
         [("parallel.sharding", "gradients"), ("model.size", "mixtral-tiny")],  # ZeRO-2 MoE
         [("parallel.sharding", "parameters"), ("model.size", "mixtral-tiny"), ("ep", "2")],
         [("parallel.sharding", "gradients"), ("train.compile", "true")],
+        [("parallel.sharding", "parameters"), ("train.compile", "true")],
+        [
+            ("parallel.sharding", "parameters"),
+            ("train.compile", "true"),
+            ("train.recompute", "full"),
+        ],
         [("parallel.sharding", "parameters"), ("pp", "2"), ("model.tie_embeddings", "true")],
         [("parallel.sharding", "parameters"), ("cp", "2"), ("train.seq_len", "64")],
     ],
-    ids=["zero2-moe", "zero3-moe-ep2", "zero2-compile", "zero3-tied-pp2", "zero3-cp2"],
+    ids=[
+        "zero2-moe",
+        "zero3-moe-ep2",
+        "zero2-compile",
+        "zero3-compile",
+        "zero3-compile-full",
+        "zero3-tied-pp2",
+        "zero3-cp2",
+    ],
 )
 def test_runnable_combinations_pass(overrides: list[tuple[str, str]]) -> None:
     _check(*overrides, ("train.micro_batch_size", "2"), world=4)

@@ -2,7 +2,8 @@
 
 The stages themselves live in mega-zero-optim (``DistributedDataParallel(sharding=...)``);
 :func:`mega_pretrain.build.build` wires them. What the trainer cannot run yet is refused
-here, before any process group exists.
+here, before any process group exists. ``train.compile`` composes with every stage: ZeRO-3's
+gather hooks run outside each compiled layer (see :mod:`mega_zero_optim.gather`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ __all__ = ["check_sharding"]
 
 def check_sharding(config: TrainerConfig, model: GPTConfig) -> None:
     """Raise ValueError for a ``parallel.sharding`` that this config cannot train with."""
-    p, t = config.parallel, config.train
+    p = config.parallel
     stage = p.zero_stage
     if p.dp_shard is not None and model.is_moe:
         # experts shard within the part of edp inside one replica of tp*cp*dp_shard ranks
@@ -49,10 +50,4 @@ def check_sharding(config: TrainerConfig, model: GPTConfig) -> None:
         raise ValueError(
             f"parallel.overlap_param_gather does not apply to {asked} (ZeRO-3 gathers each "
             "layer's parameters before its forward, prefetching the next); turn it off"
-        )
-    if t.compile:
-        raise ValueError(
-            f"train.compile with {asked} is not supported yet: the layers' gather hooks swap "
-            "parameter storage inside the compiled forward; turn compile off or use sharding "
-            "'gradients'"
         )

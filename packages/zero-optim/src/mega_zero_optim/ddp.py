@@ -108,7 +108,8 @@ class DistributedDataParallel(nn.Module):
       :mod:`mega_zero_optim.gather`). The forward must go through this wrapper, and a
       module that reads another unit's parameter outside that unit's forward (a tied
       head) must list only units that do not, e.g. the transformer layers.
-      :meth:`gathered_parameters` lends the full parameters for reading.
+      :meth:`gathered_parameters` lends the full parameters for reading. A unit may be
+      compiled (``unit.compile()``): its gather hooks run outside the graph.
 
     HSDP: with ``replicate_group`` the data-parallel ranks are ``dp_group`` (the shard group,
     over which every stage shards) times ``replicate_group`` (the ranks holding the same

@@ -21,6 +21,19 @@ gathers its buckets again but does not hold them (checkpointing may stop it befo
 end); they are freed when their gradients arrive. The choice (reasoned, not timed):
 gathering again costs one more all-gather per unit and step, while keeping the forward's
 gathered parameters until backward would hold every unit at once and undo ZeRO-3's saving.
+
+Compiled units (``unit.compile()``, the trainer's ``train.compile``): the forward hooks are
+``torch.compiler.disable``-d, so dynamo leaves them out of the unit's graph and they run
+eagerly around it, as FSDP2's hooks do under per-block compile; the graph sees ordinary,
+gathered parameters and contains no collective or storage resize (measured: no graph
+break, one forward and one backward graph for a stack of identical blocks). The
+saved-tensor hooks stay the re-gather in backward: the compiled region's autograd node
+saves its tensors eagerly at run time, through whatever pack hook is active (dynamo inlines
+only hooks that are graph modules), so its saved parameter views are packed with their
+buckets like eager ones. The alternatives, weighed: an autograd boundary at each unit's
+output that gathers in backward would gather buckets no backward node reads (the first
+unit's, when the input needs no gradient), and keeping a compiled unit's gathered
+parameters from its forward to its backward would hold every unit at once.
 """
 
 from __future__ import annotations
@@ -154,13 +167,20 @@ class ParamGatherer:
             if self._holders[id(b)] == 0 and id(b) not in self.root:
                 self.free(b)
 
+    # Compiled units (``module.compile()`` compiles ``_call_impl``, hooks included): the
+    # hooks are left out of the graph (a graph break before and after the layer's body,
+    # as FSDP2's hooks under ``torch._dynamo.config.skip_fsdp_hooks``), so collectives and
+    # storage resizes run eagerly and the graph sees ordinary, gathered parameters.
+
     def _pre_hook(self, u: int) -> Any:
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def hook(module: nn.Module, args: Any) -> None:
             self._acquire(u)
 
         return hook
 
     def _post_hook(self, u: int) -> Any:
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self._release(u)
 
