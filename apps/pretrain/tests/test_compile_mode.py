@@ -43,6 +43,9 @@ def test_modes_pass_through_to_compile() -> None:
           ("train.compile_mode", "reduce-overhead")], True, r"cannot replay MoE layers.*experts"),
         ([("train.compile", "true"), ("train.compile_mode", "reduce-overhead"),
           ("parallel.tp", "2")], True, r"but tp 2 puts one there"),
+        ([("train.compile", "true"), ("train.compile_mode", "reduce-overhead"),
+          ("parallel.sharding", "parameters")], True,
+         r"parallel.sharding 'parameters' \(ZeRO-3\) frees and re-gathers"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_values(

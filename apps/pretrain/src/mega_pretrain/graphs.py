@@ -11,6 +11,7 @@ talks to another rank or the host:
   GEMMs of data-dependent sizes): refused;
 - tensor, context and expert parallelism run collectives inside the layers: refused (their
   capture under cudagraph trees is not tested here);
+- ZeRO-3 frees and re-gathers each layer's parameters every step: refused;
 - the graphs need a GPU: refused on a machine without one.
 
 ``max-autotune-no-cudagraphs`` tunes Inductor's kernels without graphs and applies anywhere
@@ -71,6 +72,11 @@ def check_compile_mode(
         raise ValueError(
             f"{asked} cannot replay MoE layers: each step routes a different number of tokens "
             f"to each of the {model.num_experts} experts (dynamic shapes); use the 'default' mode"
+        )
+    if p.zero_stage == "parameters":
+        raise ValueError(
+            f"{asked} replays fixed addresses, but parallel.sharding {p.sharding!r} (ZeRO-3) "
+            "frees and re-gathers every layer's parameters each step; use the 'default' mode"
         )
     parallel = {"tp": p.tp, "cp": p.cp, "ep": p.ep}
     inside = {name: size for name, size in parallel.items() if size > 1}
