@@ -13,18 +13,23 @@ that only the shards stay allocated after the last step.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import test_moe_training as moe
 import test_zero_trainer as zero_trainer
+import torch
 import torch.distributed as dist
 
-from mega_parallel_grid.testing import DistPool
-from mega_pretrain.build import Built, build
+from mega_parallel_grid import init_process_groups
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
+from mega_pretrain.build import Built, build, gpt_config, parallel_config
+from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mega_pretrain.config import load_config
 from mega_pretrain.estimate import estimate
 from mega_pretrain.plan import plan_for
+from mega_pretrain.step import StepRunner
 from mega_pretrain.validate import check_config
 from mega_zero_optim.sharded_buffer import ShardedBuffer
 
@@ -125,3 +130,76 @@ def test_moe_hsdp_estimate_shards_like_one_replica(ep: str, stage: str) -> None:
         return est.weights, est.grads, est.optimizer
 
     assert bytes_at(4, ("parallel.dp_shard", "2")) == bytes_at(2)
+
+
+def _trained(layout: dict[str, object], seed: int) -> tuple[Built, Any, StepRunner]:
+    config = load_config(None, [*moe._overrides(layout, moe.MIXTRAL), ("train.seed", str(seed))])
+    groups = init_process_groups(parallel_config(config))
+    built = build(config, groups, rank_device())
+    runner = StepRunner(
+        built, groups, seq_len=moe.SEQ, micro_batch_size=moe.MICRO,
+        hidden_size=gpt_config(config).hidden_size, dtype=torch.float32, device=rank_device(),
+        sequence_parallel=False,
+    )  # fmt: skip
+    return built, groups, runner
+
+
+def _step(built: Built, groups: Any, runner: StepRunner, step: int) -> float:
+    dp, dp_rank = groups.size("dp"), groups.rank("dp")
+    loss, _ = runner.train_step(moe._batches(7, step, moe.MICRO)[dp_rank::dp], moe.LR)
+    return float(loss)
+
+
+def _weights(built: Built) -> dict[str, torch.Tensor]:
+    with built.gathered_parameters():
+        return moe._full_weights(built.chunks)
+
+
+Saved = tuple[dict[str, torch.Tensor], float, dict[str, torch.Tensor]]  # weights, loss, after
+
+
+def _save(run_dir: str, layout: dict[str, object]) -> Saved:
+    built, groups, runner = _trained(layout, seed=1234)
+    for step in range(2):
+        _step(built, groups, runner, step)
+    saved = _weights(built)
+    save_checkpoint(Path(run_dir), 2, built, groups, {"step": 2, "consumed_samples": 16})
+    loss = _step(built, groups, runner, 2)
+    return saved, loss, _weights(built)
+
+
+def _load(run_dir: str) -> Saved:
+    built, groups, runner = _trained({}, seed=99)  # other initial weights, one process
+    path = latest_checkpoint(Path(run_dir))
+    assert path is not None
+    load_checkpoint(path, built, groups)
+    loaded = _weights(built)
+    loss = _step(built, groups, runner, 2)
+    return loaded, loss, _weights(built)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"ep": 2, "dp_shard": 2, "sharding": "parameters"},
+        {"ep": 1, "dp_shard": 2, "sharding": "gradients"},
+    ],
+    ids=["zero3-ep2", "zero2-ep1"],
+)
+def test_moe_hsdp_checkpoint_loads_in_one_process(
+    dist_pool: DistPool, tmp_path: Path, layout: dict[str, object]
+) -> None:
+    """Saved at dp 4 = 2 x 2, loaded by one process: the full weights bitwise, the next
+    step's loss and weights (which read the loaded Adam state) to the rounding bounds of
+    one step (the next step reorders its sums)."""
+    saved, loss, after = dist_pool.run(_save, 4, args=(str(tmp_path), layout), timeout=300)[0]
+    loaded, next_loss, next_weights = dist_pool.run(_load, 1, args=(str(tmp_path),), timeout=300)[0]
+    assert loaded.keys() == saved.keys()
+    for name, value in loaded.items():
+        assert torch.equal(value, saved[name]), f"{name} differs after loading"
+    forward, grad = moe._chain(moe.MIXTRAL)
+    assert_close_to_reference(
+        torch.tensor(next_loss), torch.tensor(loss), reduction_length=forward, name="loss"
+    )
+    for name, value in next_weights.items():
+        assert_close_to_reference(value, after[name], reduction_length=grad, name=name)
