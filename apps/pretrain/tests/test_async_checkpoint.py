@@ -225,11 +225,13 @@ SETTINGS = ["--train.steps", "100000", "--train.log_interval", "1", "--train.seq
             "--checkpoint.keep_last", "1", "--run.name", "bg"]  # fmt: skip
 
 #: The trainer, with a save's background write held after its tensor files are written:
-#: the first save's until SIGTERM reached the trainer (``stop``), the second's for ever
-#: (``kill``, which needs a committed checkpoint before it). SIGUSR1 prints every thread's
+#: the first save's until SIGTERM reached the trainer (``stop``: the writer's thread sends
+#: it to itself once the main thread waits for the write, the delivery that cannot
+#: interrupt a main thread blocked on a lock),
+#: the second's for ever (``kill``, which needs a committed checkpoint before it). SIGUSR1 prints every thread's
 #: stack (the watchdog's last word before it kills a trainer that did not end).
 CHILD = """
-import faulthandler, signal, sys, threading
+import faulthandler, signal, sys, threading, time
 from mega_pretrain.ckpt import async_save
 from mega_pretrain import signals
 from mega_pretrain.cli import main
@@ -239,11 +241,24 @@ held, writes = threading.Event(), []
 original_write, original_handle = async_save._StagedWriter.write_data, signals.StopRequest._handle
 hold = 1 if sys.argv[1] == "stop" else 2
 
+def main_waits_for_the_write():
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    on_top = frame is not None and frame.f_code.co_filename.endswith("threading.py")
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and frame.f_code.co_filename == async_save.__file__:
+            return on_top
+        frame = frame.f_back
+    return False
+
 def write_data(self, plan, planner):
     done = original_write(self, plan, planner)
     writes.append(1)
     if len(writes) == hold:
         print("WRITING", flush=True)
+        if sys.argv[1] == "stop":  # SIGTERM reaching the writer's thread, not the main one
+            while not main_waits_for_the_write():
+                time.sleep(0.001)
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
         held.wait()
     return done
 
@@ -264,9 +279,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run_until_held(tmp_path: Path, how: str, sig: signal.Signals) -> tuple[int, str]:
-    """Start the trainer, send ``sig`` once the held write began: (code, log with the
-    seconds since the start on each line)."""
+def _run_until_held(tmp_path: Path, how: str, sig: signal.Signals | None) -> tuple[int, str]:
+    """Start the trainer, send ``sig`` (if any) once the held write began: (code, log with
+    the seconds since the start on each line)."""
     command = [sys.executable, "-c", CHILD, how, *SETTINGS]
     with subprocess.Popen(
         command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -287,7 +302,7 @@ def _run_until_held(tmp_path: Path, how: str, sig: signal.Signals) -> tuple[int,
             assert proc.stdout is not None
             for line in proc.stdout:
                 lines.append(f"{time.perf_counter() - start:7.1f} {line}")
-                if line.startswith("WRITING"):
+                if line.startswith("WRITING") and sig is not None:
                     proc.send_signal(sig)
             proc.wait()
         finally:
@@ -318,7 +333,7 @@ def test_a_kill_during_the_background_write_loses_nothing(tmp_path: Path) -> Non
 
 
 def test_sigterm_during_the_background_write_saves_and_waits(tmp_path: Path) -> None:
-    code, log = _run_until_held(tmp_path, "stop", signal.SIGTERM)
+    code, log = _run_until_held(tmp_path, "stop", None)
     assert code == 0, log
     assert "stopped by SIGTERM" in log
     assert "checkpoint step_00000002 committed" in log  # the held save, then the last one

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +39,12 @@ from mega_pretrain.ckpt.meta import CheckpointError
 from mega_pretrain.ckpt.save import PendingSave, finish_save, prepare_save
 
 __all__ = ["AsyncSaver", "HostStager"]
+
+#: How often a wait for the background write wakes the main thread. A signal that the
+#: kernel delivers to another thread (the writer's) does not interrupt the main thread's
+#: blocked lock wait, so Python would run a SIGTERM handler only once the write ended;
+#: waking every 0.1 s runs it at once.
+_WAKE_S = 0.1
 
 
 class HostStager:
@@ -152,6 +159,8 @@ class AsyncSaver:
         if in_flight is None:
             return None
         try:
+            while not wait_for([in_flight.job], timeout=_WAKE_S).done:
+                pass  # the interpreter runs pending signal handlers between the waits
             return in_flight.job.result()
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint.async_save: {exc}") from None
