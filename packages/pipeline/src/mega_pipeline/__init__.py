@@ -23,6 +23,7 @@ from mega_pipeline.order import (
     peak_in_flight,
     validate_order,
 )
+from mega_pipeline.overlap import OverlappedForwardBackward
 from mega_pipeline.p2p import P2PCommunicator
 from mega_pipeline.plan import (
     Exchange,
@@ -60,6 +61,7 @@ __all__ = [
     "LossFunc",
     "LossOutput",
     "Message",
+    "OverlappedForwardBackward",
     "P2PCommunicator",
     "SplitBackward",
     "StageChunk",

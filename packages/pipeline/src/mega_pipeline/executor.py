@@ -1,9 +1,14 @@
-"""Run a rank's plan: exchange tensors, then forward or backward one microbatch of one chunk."""
+"""Run a rank's plan: exchange tensors, then forward or backward one microbatch of one chunk.
+
+An overlapped pair (a forward step followed by its backward step, named in ``pairs``) runs
+as one compute step: through the chunks' :class:`~mega_pipeline.OverlappedForwardBackward`
+hook when they all offer it, else as the forward and then the backward.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +26,7 @@ from mega_pipeline.chunk import (
 )
 from mega_pipeline.memory import backward_from, deallocate_output
 from mega_pipeline.order import Action
+from mega_pipeline.overlap import OverlappedForwardBackward
 from mega_pipeline.p2p import P2PCommunicator
 from mega_pipeline.plan import Message, Step, virtual_stage
 from mega_pipeline.zero_bubble import zbv_stage
@@ -71,6 +77,7 @@ class _State:
     input_grads: dict[Key, Tensor]
     losses: dict[int, dict[str, Tensor]]
     weight_grads: dict[Key, WeightGradPass]
+    records: dict[Key, Any]  # what overlap_record yielded, for the paired backwards
 
 
 class _Runner:
@@ -88,7 +95,9 @@ class _Runner:
         hooks: Hooks,
         split_backward: SplitBackward | None,
         v_shape: bool,
+        paired_backwards: Collection[Key],
     ) -> None:
+        self.paired_backwards = paired_backwards
         self.split_backward = split_backward
         self.v_shape = v_shape
         self.forward_step = forward_step
@@ -101,8 +110,8 @@ class _Runner:
         self.forward_only = forward_only
         self.hooks = hooks
         self.num_stages = pp * len(chunks)
-        self.state = _State({}, {}, {}, {}, {}, {})
-        self.pending: tuple[Any, ...] | None = None  # an exchange posted before W passes
+        self.state = _State({}, {}, {}, {}, {}, {}, {})
+        self.pending: list[tuple[Any, ...]] = []  # exchanges posted, not yet waited for
 
     def _stage(self, chunk: int) -> int:
         if self.v_shape:
@@ -131,22 +140,18 @@ class _Runner:
         return self.state.input_grads.pop(key)
 
     def exchange(self, step: Step) -> None:
-        """Run the step's exchange; before a W pass only post it (:meth:`finish_exchange`
-        completes it before the next pass that is not a W), so the W runs meanwhile."""
-        if step.exchange.is_empty():
-            return
-        self.finish_exchange()
-        pending = self._start(step)
-        if step.action is not None and step.action.kind == "W":
-            self.pending = pending
-        else:
-            self._finish(pending)
+        """Post the step's exchange. :meth:`finish_exchange` waits for it before the next
+        F or B: the W passes run while it is in flight, and the exchanges of steps with no
+        action (the first parts of a unit that moves two messages over one link) go out
+        together with the next pass's."""
+        if not step.exchange.is_empty():
+            self.pending.append(self._start(step))
 
     def finish_exchange(self) -> None:
-        """Complete the exchange posted before the W passes, if any."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            self._finish(pending)
+        """Complete every exchange posted and not yet waited for, in posting order."""
+        pending, self.pending = self.pending, []
+        for posted in pending:
+            self._finish(posted)
 
     def _start(self, step: Step) -> tuple[Any, ...]:
         ex = step.exchange
@@ -190,7 +195,10 @@ class _Runner:
             else:
                 s.output_grads[key] = tensor
 
-    def forward(self, action: Action) -> None:
+    def forward(
+        self, action: Action, around: Callable[[Callable[[], Any]], Any] | None = None
+    ) -> None:
+        """One forward; ``around(run)`` (a pair's hook) calls ``run`` in its place."""
         s = self.state
         key = (action.microbatch, action.chunk)
         stage = self._stage(action.chunk)
@@ -206,12 +214,19 @@ class _Runner:
         )
         grad_mode = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with grad_mode:
-            if self.split_backward is None or self.forward_only:
-                result = self.forward_step(self.data_iterators[action.chunk], view)
-            else:  # the backward of what runs inside leaves its weight gradients for W
-                with self.split_backward() as weight_grads:
-                    result = self.forward_step(self.data_iterators[action.chunk], view)
-                s.weight_grads[key] = weight_grads
+            iterator = self.data_iterators[action.chunk]
+            module = self.chunks[action.chunk]
+            with contextlib.ExitStack() as stack:
+                if self.split_backward is not None and not self.forward_only:
+                    # the backward of what runs inside leaves its weight gradients for W
+                    s.weight_grads[key] = stack.enter_context(self.split_backward())
+                if key in self.paired_backwards:
+                    assert isinstance(module, OverlappedForwardBackward)
+                    s.records[key] = stack.enter_context(module.overlap_record())
+                if around is None:
+                    result = self.forward_step(iterator, view)
+                else:
+                    result = around(lambda: self.forward_step(iterator, view))
             if not (
                 isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Tensor)
             ):
@@ -245,17 +260,44 @@ class _Runner:
                 scaled = self.hooks.grad_scale_func(scaled)
             s.outputs[key] = scaled
 
+    def _no_sync(self, chunk: int, last_of_chunk: bool) -> AbstractContextManager[Any]:
+        no_sync = self.hooks.no_sync_func
+        if no_sync is None or last_of_chunk:
+            return contextlib.nullcontext()
+        return no_sync(chunk)
+
     def backward(self, action: Action, last_of_chunk: bool) -> None:
+        key = (action.microbatch, action.chunk)
+        output, grad, input_tensor = self._take(key)
+        with self._no_sync(action.chunk, last_of_chunk):
+            backward_from(output, grad)
+        self._input_grad(action, input_tensor)
+
+    def pair(self, forward: Action, backward: Action, last_of_chunk: bool) -> None:
+        """An overlapped pair as one compute step: through the forward chunk's hook."""
+        key = (backward.microbatch, backward.chunk)
+        output, grad, input_tensor = self._take(key)
+        record = self.state.records.pop(key)
+        module = self.chunks[forward.chunk]
+        assert isinstance(module, OverlappedForwardBackward)
+
+        def around(run: Callable[[], Any]) -> Any:
+            return module.overlapped_forward_backward(run, record, output, grad)
+
+        with self._no_sync(backward.chunk, last_of_chunk):
+            self.forward(forward, around)
+        self._input_grad(backward, input_tensor)
+
+    def _take(self, key: Key) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """What a backward needs: the output, the gradient at it, the input (if any)."""
+        s = self.state
+        return s.outputs.pop(key), s.output_grads.pop(key, None), s.inputs.pop(key, None)
+
+    def _input_grad(self, action: Action, input_tensor: Tensor | None) -> None:
+        """Keep the backward's input gradient for the previous stage."""
         s = self.state
         key = (action.microbatch, action.chunk)
         stage = self._stage(action.chunk)
-        output = s.outputs.pop(key)
-        grad = s.output_grads.pop(key, None)
-        input_tensor = s.inputs.pop(key, None)
-        no_sync = self.hooks.no_sync_func
-        context = no_sync(action.chunk) if no_sync is not None and not last_of_chunk else None
-        with context if context is not None else contextlib.nullcontext():
-            backward_from(output, grad)
         if stage > 0:
             assert input_tensor is not None
             input_grad = input_tensor.grad
@@ -269,9 +311,7 @@ class _Runner:
     def weight(self, action: Action, last_of_chunk: bool) -> None:
         """The W pass: the weight gradients the microbatch's backward left behind."""
         weight_grads = self.state.weight_grads.pop((action.microbatch, action.chunk))
-        no_sync = self.hooks.no_sync_func
-        context = no_sync(action.chunk) if no_sync is not None and not last_of_chunk else None
-        with context if context is not None else contextlib.nullcontext():
+        with self._no_sync(action.chunk, last_of_chunk):
             weight_grads.run()
 
     def synced(self, chunk: int) -> None:
@@ -306,6 +346,8 @@ def run_plan(
     hooks: Hooks,
     split_backward: SplitBackward | None = None,
     v_shape: bool = False,
+    pairs: Collection[int] = (),
+    overlap: bool = True,
 ) -> list[dict[str, Tensor]]:
     """Follow ``steps`` on this rank; return the per-microbatch losses on the last stage.
 
@@ -313,6 +355,11 @@ def run_plan(
     runs what it yielded. ``v_shape``: the two chunks form the V of ZBV/DualPipeV (chunk 1
     is virtual stage ``2 pp - 1 - pp_rank``; on the last rank chunk 0's output feeds
     chunk 1 directly).
+
+    ``pairs``: indices of the steps whose forward forms an overlapped pair with the
+    backward of the next step (whose exchange is empty). With ``overlap`` and every chunk
+    an :class:`~mega_pipeline.OverlappedForwardBackward`, a pair runs through the hook;
+    otherwise as its forward, then its backward.
     """
     has_w = any(step.action is not None and step.action.kind == "W" for step in steps)
     if has_w != (split_backward is not None and not forward_only):
@@ -321,6 +368,15 @@ def run_plan(
             f"(W actions: {has_w}, split_backward given: {split_backward is not None}); "
             "drop the W actions for a fused backward"
         )
+    for i in pairs:
+        f, b = steps[i].action, steps[i + 1].action if i + 1 < len(steps) else None
+        if f is None or b is None or (f.kind, b.kind) != ("F", "B"):
+            raise ValueError(f"step {i} ({f}) and the next ({b}) are not a forward and a backward")
+        if not steps[i + 1].exchange.is_empty():
+            raise ValueError(f"the backward {b} of the pair at step {i} has its own exchange")
+    hooked = overlap and not forward_only and bool(pairs)
+    hooked = hooked and all(isinstance(c, OverlappedForwardBackward) for c in chunks)
+    paired = [steps[i + 1].action for i in pairs] if hooked else []
     runner = _Runner(
         forward_step=forward_step,
         chunks=chunks,
@@ -333,16 +389,23 @@ def run_plan(
         hooks=hooks,
         split_backward=split_backward,
         v_shape=v_shape,
+        paired_backwards={(a.microbatch, a.chunk) for a in paired if a is not None},
     )
     last, ends = _last_of_chunk(steps)
     for i, step in enumerate(steps):
         runner.exchange(step)
         action = step.action
-        if action is None or action.kind != "W":
-            runner.finish_exchange()
         if action is None:
             continue
-        if action.kind == "F":
+        if action.kind != "W":
+            runner.finish_exchange()
+        if hooked and i in pairs:
+            backward = steps[i + 1].action
+            assert backward is not None
+            runner.pair(action, backward, last_of_chunk=i + 1 in last)
+        elif hooked and i - 1 in pairs:
+            pass  # the pair's backward ran with its forward
+        elif action.kind == "F":
             runner.forward(action)
         elif action.kind == "B":
             runner.backward(action, last_of_chunk=i in last)
@@ -352,7 +415,6 @@ def run_plan(
             runner.synced(ends[i])
     runner.finish_exchange()
     s = runner.state
-    assert not (s.inputs or s.outputs or s.output_grads or s.input_grads or s.weight_grads), (
-        "plan left tensors behind"
-    )
+    left = s.inputs or s.outputs or s.output_grads or s.input_grads or s.weight_grads
+    assert not (left or s.records), "plan left tensors behind"
     return [s.losses[i] for i in sorted(s.losses)]

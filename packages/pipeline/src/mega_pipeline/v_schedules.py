@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from mega_pipeline.chunk import DataIterator, ForwardStep, SplitBackward
-from mega_pipeline.dualpipe import dualpipev_order
+from mega_pipeline.dualpipe import dualpipev_order, dualpipev_pairs
 from mega_pipeline.executor import Hooks, run_plan
 from mega_pipeline.order import Action
 from mega_pipeline.p2p import P2PCommunicator
@@ -30,6 +30,7 @@ from mega_pipeline.zero_bubble import zbv_order
 __all__ = ["forward_backward_dualpipev", "forward_backward_zbv"]
 
 OrderFn = Callable[[int, int, int], list[Action]]
+PairsFn = Callable[[int, int, int], list[int]]
 
 
 def _run_v(
@@ -44,6 +45,8 @@ def _run_v(
     forward_only: bool,
     hooks: Hooks,
     split_backward: SplitBackward | None,
+    pairs: PairsFn | None = None,
+    overlap: bool = False,
 ) -> list[dict[str, Tensor]]:
     chunks = _chunks(model)
     if len(chunks) != 2:
@@ -59,14 +62,18 @@ def _run_v(
         )
     split = split_backward if not forward_only else None
     orders = []
+    paired: list[set[Action]] = []
     for r in range(pp):
         actions = order(pp, r, num_microbatches)
+        indices = pairs(pp, r, num_microbatches) if pairs is not None and not forward_only else []
+        paired.append({actions[i] for i in indices})
         if forward_only:
             actions = [a for a in actions if a.kind == "F"]
         elif split is None:  # a fused backward: each B also computes the weight gradients
             actions = [a for a in actions if a.kind != "W"]
         orders.append(actions)
-    plan = build_timed_plans(orders, 2, v_shape=True)[rank]
+    plan = build_timed_plans(orders, 2, v_shape=True, pairs=paired)[rank]
+    steps = [i for i, step in enumerate(plan) if step.action in paired[rank]]
     return run_plan(
         plan,
         forward_step=forward_step,
@@ -80,6 +87,8 @@ def _run_v(
         hooks=hooks,
         split_backward=split,
         v_shape=True,
+        pairs=steps,
+        overlap=overlap,
     )
 
 
@@ -125,18 +134,22 @@ def forward_backward_dualpipev(
     no_sync_func: Callable[[int], AbstractContextManager[Any]] | None = None,
     grad_scale_func: Callable[[Tensor], Tensor] | None = None,
     split_backward: SplitBackward | None = None,
+    overlap: bool = True,
 ) -> list[dict[str, Tensor]]:
     """DualPipeV (:func:`~mega_pipeline.dualpipev_order`) on this rank's two V chunks.
 
     Arguments as in :func:`forward_backward_zbv`; ``num_microbatches`` must be at least
-    ``2 pp``. The overlapped F+B pairs of the steady state run one after the other on
-    one stream (the forward first): the computation/communication overlap inside a pair
-    (MoE all-to-all behind the other micro-batch's compute) is not done here.
+    ``2 pp``. Each overlapped pair (:func:`~mega_pipeline.dualpipev_pairs`) is one step:
+    the receives of both micro-batches are posted first, then the compute, and both
+    sends leave in the next exchange. With ``overlap`` and chunks that offer
+    :class:`~mega_pipeline.OverlappedForwardBackward`, the compute is the chunk's
+    overlapped call (e.g. one micro-batch's MoE all-to-all behind the other's layers);
+    otherwise the forward, then the backward.
     """
     return _run_v(
         "forward_backward_dualpipev", dualpipev_order,
         forward_step=forward_step, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, communicator=communicator,
         forward_only=forward_only, hooks=Hooks(grad_sync_func, no_sync_func, grad_scale_func),
-        split_backward=split_backward,
+        split_backward=split_backward, pairs=dualpipev_pairs, overlap=overlap,
     )  # fmt: skip
