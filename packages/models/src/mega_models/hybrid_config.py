@@ -68,6 +68,11 @@ class HybridConfig(GPTConfig):
     ``mega_models.ssd_triton``), ``"torch"`` (``ssd_chunked``), or ``"auto"``: triton for
     bf16/fp16 CUDA tensors when the triton package is installed, torch otherwise (fp32 and
     fp64 kernels run their matmuls without tensor cores: correct, not fast)."""
+    mixer_kernel: str = "auto"
+    """The Mamba mixer's causal conv + SiLU and gated RMSNorm: ``"triton"`` (the project's
+    fused kernels, ``mega_models.mixer_triton``), ``"torch"`` (conv1d, silu, rms_norm), or
+    ``"auto"``: triton for bf16/fp16 CUDA tensors when the triton package is installed,
+    torch otherwise."""
 
     def __post_init__(self) -> None:
         for name in ("mamba_dt_limit", "mamba_a_init_range"):  # TOML and JSON give lists
@@ -153,6 +158,10 @@ class HybridConfig(GPTConfig):
         if self.ssd_kernel not in ("auto", "triton", "torch"):
             raise ValueError(
                 f"ssd_kernel ({self.ssd_kernel!r}) must be 'auto', 'triton' or 'torch'"
+            )
+        if self.mixer_kernel not in ("auto", "triton", "torch"):
+            raise ValueError(
+                f"mixer_kernel ({self.mixer_kernel!r}) must be 'auto', 'triton' or 'torch'"
             )
         a_low, a_high = self.mamba_a_init_range
         if not 0.0 < a_low <= a_high:

@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from mega_models.hybrid_config import HybridConfig
+from mega_models.mixer_triton import causal_conv1d_silu, gated_rms_norm
 from mega_models.norms import Ones
 from mega_models.ssd import ssd_chunked
 from mega_models.ssd_triton import ssd_triton, triton_available
@@ -110,6 +111,12 @@ class Mamba2Mixer(KeepsParamAttrs):
                 "install triton or set ssd_kernel to 'auto' or 'torch'"
             )
         self.ssd_kernel = c.ssd_kernel
+        if c.mixer_kernel == "triton" and not triton_available():
+            raise ValueError(
+                "mixer_kernel 'triton' needs the triton package, which is not installed; "
+                "install triton or set mixer_kernel to 'auto' or 'torch'"
+            )
+        self.mixer_kernel = c.mixer_kernel
         meta = torch.device("meta")
         per_group = 2 * self.group_width + 2 * self.state_dim + self.heads_per_group
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
@@ -140,13 +147,31 @@ class Mamba2Mixer(KeepsParamAttrs):
             self.to_empty(device=device if device is not None else "cpu")
             init_parameters(self, seed)
 
+    def _fused(self, t: Tensor) -> bool:
+        """Whether the conv and the gated norm run as the Triton kernels for input ``t``."""
+        half = t.dtype in (torch.bfloat16, torch.float16)
+        return self.mixer_kernel == "triton" or (
+            self.mixer_kernel == "auto" and half and t.is_cuda and triton_available()
+        )
+
     def _conv(self, xbc: Tensor) -> Tensor:
-        """Causal depthwise convolution and SiLU over ``[s, b, channels]``."""
+        """Causal depthwise convolution and SiLU over ``[s, b, g, w + 2n]`` (in_proj's slices
+        as they are for the kernel; torch's conv1d takes ``[b, ch, s]``)."""
+        if self._fused(xbc):
+            return causal_conv1d_silu(xbc, self.conv_weight, self.conv_bias)
+        s, b = xbc.shape[:2]
         w = self.conv_weight.unsqueeze(1)  # [ch, 1, k]
-        seq_last = xbc.permute(1, 2, 0)  # [s, b, ch] -> [b, ch, s]
+        seq_last = xbc.reshape(s, b, -1).permute(1, 2, 0)  # [s, b, ch] -> [b, ch, s]
         padded = F.pad(seq_last, (self.conv_width - 1, 0))
         out = F.conv1d(padded, w, self.conv_bias, groups=w.shape[0])  # [b, ch, s]
-        return F.silu(out).permute(2, 0, 1)  # -> [s, b, ch]
+        return F.silu(out).permute(2, 0, 1).view(xbc.shape)  # -> [s, b, g, w + 2n]
+
+    def _gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
+        """``rms_norm(y * silu(z)) * norm_weight`` per group: ``[s, b, g, w]``."""
+        if self._fused(y):
+            return gated_rms_norm(y, z, self.norm_weight, self.eps)
+        gated = y * F.silu(z)
+        return F.rms_norm(gated, (y.shape[-1],), eps=self.eps) * self.norm_weight.view(y.shape[2:])
 
     def _scan(self, x: Tensor, dt: Tensor, B: Tensor, C: Tensor) -> Tensor:
         """dt bounds, ``A``, the SSD scan (in fp32 at least) and the ``D`` skip:
@@ -170,7 +195,7 @@ class Mamba2Mixer(KeepsParamAttrs):
         s, b = zxbcdt.shape[:2]
         g, w, n = self.groups, self.group_width, self.state_dim
         z, xbc, dt = torch.split(zxbcdt.view(s, b, g, -1), [w, w + 2 * n, self.heads_per_group], -1)
-        xbc = self._conv(xbc.reshape(s, b, -1)).view(s, b, g, -1)  # [s, b, g, w + 2n]
+        xbc = self._conv(xbc)  # [s, b, g, w + 2n]
         x, B, C = torch.split(xbc, [w, n, n], dim=-1)
         x = x.reshape(s, b, self.heads, self.head_dim)  # [s, b, heads, p]
         dt = dt.reshape(s, b, self.heads)
@@ -179,8 +204,7 @@ class Mamba2Mixer(KeepsParamAttrs):
         else:
             y = self._scan(x, dt, B, C)
         assert isinstance(y, Tensor)
-        gated = y.reshape(s, b, g, w) * F.silu(z)  # norm(y * silu(z)), per group of channels
-        normed = F.rms_norm(gated, (w,), eps=self.eps) * self.norm_weight.view(g, w)
+        normed = self._gated_norm(y.reshape(s, b, g, w), z)  # per group of channels
         out: Tensor = self.out_proj(normed.view(s, b, g * w))  # -> [s(/tp), b, h]
         return out
 
