@@ -6,7 +6,8 @@ so they must agree bitwise (losses, gradient norms, skipped steps, parameters, m
 Adam moments), with clipping active, fp16 parameters under a dynamic loss scaler, several
 buckets and two parameter groups (the offloaded update steps shard by shard).
 
-CUDA (marked; the lead runs it on the GPU, it has not run here): the on-device update runs
+CUDA (marked; the lead runs it on the GPU, it has not run here; with and without
+``overlap_host_update``, whose CPU tests are test_offload_overlap): the on-device update runs
 torch's CUDA AdamW, the offloaded one the CPU kernel, so they agree to rounding: the bound
 of ``assert_close_to_reference`` with n = the steps' chain of sums (as in test_contract).
 Also checked there: the host masters are pinned, the optimizer state is on the CPU, and the
@@ -40,7 +41,12 @@ def _net() -> nn.Sequential:
 
 
 def _train(
-    sharding: str, dtype: torch.dtype, offload: bool, device: torch.device, fused: bool = False
+    sharding: str,
+    dtype: torch.dtype,
+    offload: bool,
+    device: torch.device,
+    fused: bool = False,
+    overlap: bool = False,
 ) -> dict[str, Any]:
     groups = init_process_groups(ParallelConfig())
     torch.manual_seed(0)
@@ -58,7 +64,12 @@ def _train(
     )
     scaler = DynamicLossScaler(initial_scale=2.0**8) if dtype == torch.float16 else None
     opt = DistributedOptimizer(
-        adamw, ddp, max_grad_norm=0.05, loss_scaler=scaler, optimizer_offload=offload
+        adamw,
+        ddp,
+        max_grad_norm=0.05,
+        loss_scaler=scaler,
+        optimizer_offload=offload,
+        overlap_host_update=overlap,
     )
     dp, rank = ddp.dp_size, dist.get_rank(ddp.dp_group)
     per = BATCH // dp
@@ -77,6 +88,7 @@ def _train(
         result = opt.step()
         norms.append(result.grad_norm)
         updated.append(result.updated)
+    opt.wait()  # overlap_host_update: the last update done and its parameters gathered
     with ddp.gathered_parameters():
         weights = {n: p.detach().float().cpu().clone() for n, p in net.named_parameters()}
     state = opt.state_dict()
@@ -159,18 +171,19 @@ def test_offload_equals_on_device_update(
         assert not off["masters_in_buffers"]
 
 
-def _cuda_pair(sharding: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _cuda_pair(sharding: str, overlap: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     cuda = torch.device("cuda", torch.cuda.current_device())
     return (
         _train(sharding, torch.float32, False, cuda),
-        _train(sharding, torch.float32, True, cuda),
+        _train(sharding, torch.float32, True, cuda, overlap=overlap),
     )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (pinned memory, streams)")
+@pytest.mark.parametrize("overlap", [False, True])  # overlap_host_update
 @pytest.mark.parametrize("sharding", ["optimizer", "gradients", "parameters"])
-def test_offload_on_cuda(dist_pool: DistPool, sharding: str) -> None:
-    [(ref, off)] = dist_pool.run(_cuda_pair, 1, args=(sharding,))
+def test_offload_on_cuda(dist_pool: DistPool, sharding: str, overlap: bool) -> None:
+    [(ref, off)] = dist_pool.run(_cuda_pair, 1, args=(sharding, overlap))
     assert off["host_devices"] == {"cpu"} and off["pinned"]
     assert ref["host_devices"] != {"cpu"}  # the on-device run keeps them on the GPU
     assert all(d.startswith("cuda") for d in off["shard_devices"])

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from mega_zero_optim.hsdp import all_reduce_grads, reduce_grads
+from mega_zero_optim.param_gate import ParamGate
 from mega_zero_optim.shard_range import Range, shard_of
 
 __all__ = ["Bucket", "BucketState"]
@@ -68,6 +69,8 @@ class Bucket:
         self._waiting: set[int] = set(param_ids)
         self._grad_work: dist.Work | None = None
         self._param_work: dist.Work | None = None
+        #: set while an optimizer's update may still run (see :mod:`mega_zero_optim.param_gate`)
+        self.param_gate: ParamGate | None = None
 
     def mark_ready(self, param_id: int) -> bool:
         """Record that a parameter's gradient is complete; True when it was the last one."""
@@ -82,6 +85,8 @@ class Bucket:
         self.state = BucketState.REDUCING
         if not self._communicates:
             return
+        if self.param_gate is not None:  # gathers asked for before go first on every rank
+            self.param_gate.flush()
         if self.scale != 1.0:
             self.grad_data.mul_(self.scale)
         if self.reduce_scatter:
@@ -112,18 +117,27 @@ class Bucket:
         """Launch the all-gather of parameters from each rank's shard (asynchronously)."""
         if self.dp_size == 1 or self._param_work is not None:
             return
+        if self.param_gate is not None and self.param_gate.defer(self):
+            return
+        self.launch_param_sync()
+
+    def launch_param_sync(self) -> None:
+        """The all-gather itself, asking no gate."""
         # [bucket/dp] -> [bucket], each rank's shard copied in place to every rank
         self._param_work = dist.all_gather_into_tensor(
             self.param_data, self.param_shard, group=self.dp_group, async_op=True
         )
 
     def finish_param_sync(self) -> None:
-        """Wait for the parameter all-gather, if one is in flight."""
+        """Wait for the parameter all-gather, if one is in flight (or queued by a gate)."""
+        if self.param_gate is not None:
+            self.param_gate.force(self)
         if self._param_work is not None:
             self._param_work.wait()
             self._param_work = None
 
     @property
     def param_sync_pending(self) -> bool:
-        """True while a parameter all-gather is in flight."""
-        return self._param_work is not None
+        """True while a parameter all-gather is in flight (or queued by a gate)."""
+        gate = self.param_gate
+        return self._param_work is not None or (gate is not None and gate.queued(self))

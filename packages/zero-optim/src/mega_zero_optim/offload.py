@@ -8,6 +8,9 @@ pinned and both copies run on a side stream without blocking the host; the shard
 updated one at a time in the order the forward uses them, and each one's upload (and
 all-gather) is launched as soon as it is updated, so they overlap the update of the next.
 Elsewhere the copies are plain ``copy_`` calls and the arithmetic is the on-device one.
+With ``overlap_host_update`` the updates run on a worker thread instead, overlapping the
+next forward, which uploads each shard when it first needs it
+(:mod:`mega_zero_optim.host_update`).
 """
 
 from __future__ import annotations

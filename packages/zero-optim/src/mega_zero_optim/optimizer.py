@@ -15,6 +15,7 @@ from mega_zero_optim.bucket import Bucket
 from mega_zero_optim.buffer import ParamAndGradBuffer
 from mega_zero_optim.clip import clip_coefficient, counts_in_norm, global_grad_norm
 from mega_zero_optim.ddp import DistributedDataParallel
+from mega_zero_optim.host_update import HostUpdate, ShardStep, register_upload_hooks
 from mega_zero_optim.memory import MemoryReport
 from mega_zero_optim.offload import HostShard, Offloader
 from mega_zero_optim.scaler import DynamicLossScaler
@@ -88,6 +89,18 @@ class DistributedOptimizer:
     next shard (see :mod:`mega_zero_optim.offload`). Give the optimizer ``fused=True`` for
     torch's one-pass multithreaded CPU kernel. The device then holds only the parameter and
     gradient buffers (:meth:`memory_report`: ``host_bytes``).
+
+    ``overlap_host_update`` (with ``optimizer_offload``): :meth:`step` returns once the host
+    updates are started on a background thread, and the next forward overlaps them: the
+    pre-hook of the first module using a bucket waits for that shard's update, uploads it and
+    launches its all-gather (so the gathers are overlapped with the forward at every stage, as
+    with ``overlap_param_gather``; ZeRO-3's prefetch launches a gather only once its shard is
+    updated). Collectives stay on the calling thread; see :mod:`mega_zero_optim.host_update`.
+    Everything that reads or writes the masters, the optimizer state or the host gradients
+    waits for the update first (the next :meth:`step`, :meth:`state_dict`,
+    :meth:`load_state_dict`, :meth:`reload_model_params`, :meth:`memory_report`); call
+    :meth:`wait` before reading the parameters outside a forward (or at the end of training).
+    An update that fails raises its RuntimeError at the next wait.
     """
 
     def __init__(
@@ -100,8 +113,15 @@ class DistributedOptimizer:
         loss_scaler: DynamicLossScaler | None = None,
         overlap_param_gather: bool = False,
         optimizer_offload: bool = False,
+        overlap_host_update: bool = False,
     ) -> None:
         ddps = [ddp] if isinstance(ddp, DistributedDataParallel) else list(ddp)
+        if overlap_host_update and not optimizer_offload:
+            raise ValueError(
+                "overlap_host_update (True) overlaps the offloaded host update with the next "
+                "forward, but optimizer_offload is False; pass optimizer_offload=True or leave "
+                "overlap_host_update False"
+            )
         if overlap_param_gather and any(d.sharding == "parameters" for d in ddps):
             raise ValueError(
                 "overlap_param_gather does not apply to sharding='parameters' (each forward "
@@ -132,6 +152,9 @@ class DistributedOptimizer:
         self.num_steps = 0
         self._device = next((b.device for _, b in self._buffers()), torch.device("cpu"))
         self._offloader = Offloader(self._device) if optimizer_offload else None
+        self._host_update: HostUpdate | None = None
+        if self._offloader is not None and overlap_host_update:
+            self._host_update = HostUpdate(self._offloader)
         #: where the masters and the optimizer state live
         self._state_device = torch.device("cpu") if optimizer_offload else self._device
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -154,6 +177,9 @@ class DistributedOptimizer:
             self._pieces += mine
             group["params"] = [piece.master for piece in mine]
         self._piece_of = {id(piece.master): piece for piece in self._pieces}
+        self._hook_handles: list[Any] = []
+        if self._host_update is not None:
+            self._arm_gates(self._host_update)
 
     # construction ------------------------------------------------------------------------
 
@@ -218,6 +244,20 @@ class DistributedOptimizer:
                 shard.masters = frozenset(mine)
         return found
 
+    def _arm_gates(self, host_update: HostUpdate) -> None:
+        """overlap_host_update: every bucket's gather waits for its shard's upload; at dp 1
+        (no gather) a forward pre-hook uploads the shards each module reads."""
+        for shard in self._shards:
+            shard.bucket.param_gate = host_update
+        for ddp in self.ddps:
+            if ddp.dp_size > 1:
+                continue
+            where: dict[int, list[Bucket | ShardedBucket]] = {}
+            for buffer in ddp.param_and_grad_buffers:
+                for p in buffer.params:
+                    where[id(p)] = [buffer.buckets[b] for b in buffer.buckets_of[id(p)]]
+            self._hook_handles += register_upload_hooks(ddp.module, where, host_update)
+
     def _counts_replica(self, ddp: DistributedDataParallel) -> bool:
         """HSDP: whether this rank's shards count in the gradient norm. Every replica holds
         the same reduced shard; when the norm group spans several replicas only the first
@@ -249,7 +289,9 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> StepResult:
-        """Reduce gradients, check, clip, step this rank's shards, and share the new parameters."""
+        """Reduce gradients, check, clip, step this rank's shards, and share the new parameters
+        (``overlap_host_update``: start the host update and return; see the class docstring)."""
+        self.wait()  # the last step's host update reads the host gradients about to be written
         self.num_steps += 1
         for ddp in self.ddps:
             ddp.finish_param_sync()  # the last gather reads the shards about to be written
@@ -294,6 +336,8 @@ class DistributedOptimizer:
         finally:
             if hasattr(self.optimizer, "grad_scale"):
                 del self.optimizer.grad_scale
+        if self._host_update is not None:  # the worker drops the gradients; gathers on use
+            return StepResult(True, norm, scale)
         self._drop_grads()
         if self._offloader is None:
             self._write_back()
@@ -306,27 +350,55 @@ class DistributedOptimizer:
             if shard.master.data_ptr() != shard.bucket.param_shard.data_ptr():
                 shard.bucket.param_shard.copy_(shard.master)
 
+    def _shard_step(self, shard: _Shard) -> ShardStep:
+        """One shard's host update (the update is elementwise, so stepping the pieces shard
+        by shard is the same update): it steps a view of the optimizer over the shard's
+        pieces, sharing its state, with the hyperparameters as they are now; the
+        optimizer's param groups are never swapped under a reader (an LR schedule)."""
+        subset = [
+            {**g, "params": [m for m in g["params"] if id(m) in shard.masters]}
+            for g in self.optimizer.param_groups
+        ]
+        view = object.__new__(type(self.optimizer))
+        # every attribute but an instance-level step (an LR scheduler's wrapper of it)
+        view.__dict__.update({k: v for k, v in vars(self.optimizer).items() if k != "step"})
+        view.param_groups = [g for g in subset if g["params"]]
+        assert shard.host is not None
+        masters = [m for g in view.param_groups for m in g["params"]]
+        return ShardStep(shard.bucket, shard.host, view, masters)
+
     def _step_offloaded(self, offloader: Offloader) -> None:
         """Step one shard at a time in the forward's order; each one's upload and
-        all-gather are launched at once, overlapping the next shard's update (the update is
-        elementwise, so stepping the pieces shard by shard is the same update)."""
-        groups = self.optimizer.param_groups
-        try:
-            for shard in sorted(self._shards, key=lambda s: s.order):
-                subset = [
-                    {**g, "params": [m for m in g["params"] if id(m) in shard.masters]}
-                    for g in groups
-                ]
-                self.optimizer.param_groups = [g for g in subset if g["params"]]
-                if self.optimizer.param_groups:
-                    self.optimizer.step()
-                assert shard.host is not None
-                offloader.params_up(shard.host)
-                bucket = shard.bucket
-                if not (isinstance(bucket, ShardedBucket) and bucket.shard_params):
-                    bucket.start_param_sync()  # ZeRO-3 gathers on use
-        finally:
-            self.optimizer.param_groups = groups
+        all-gather are launched at once, overlapping the next shard's update
+        (``overlap_host_update``: on the worker thread, gathers asked for now, launched on use)."""
+        ordered = sorted(self._shards, key=lambda s: s.order)
+        steps = [self._shard_step(shard) for shard in ordered]
+        gathered_now = [
+            s.bucket
+            for s in ordered
+            if s.bucket.dp_size > 1
+            and not (isinstance(s.bucket, ShardedBucket) and s.bucket.shard_params)
+        ]  # ZeRO-3 gathers on use
+        if self._host_update is not None:
+            self._host_update.begin(steps, gathered_now, self.num_steps)
+            return
+        launch = {id(b) for b in gathered_now}
+        for shard, step in zip(ordered, steps, strict=True):
+            step.run()
+            offloader.params_up(step.host)
+            if id(shard.bucket) in launch:
+                shard.bucket.start_param_sync()
+
+    def wait(self) -> None:
+        """Return once the last step's update is done: masters and optimizer state final, every
+        shard uploaded and, outside ZeRO-3, the parameters gathered. Nothing to wait for
+        without ``overlap_host_update``; the RuntimeError of a failed host update otherwise."""
+        if self._host_update is None or not self._host_update.active:
+            return
+        self._host_update.wait()
+        for shard in self._shards:
+            if not (isinstance(shard.bucket, ShardedBucket) and shard.bucket.shard_params):
+                shard.bucket.finish_param_sync()
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -336,6 +408,7 @@ class DistributedOptimizer:
         without an optimizer state); otherwise the next step writes the old masters back.
         fp32 parameters are their own masters and need nothing.
         """
+        self.wait()
         if self._offloader is not None:
             self._offloader.wait()
         for shard in self._shards:
@@ -390,8 +463,10 @@ class DistributedOptimizer:
 
         Plain tensors and Python values only (save with ``torch.save``, load with
         ``weights_only=True``). Pieces are keyed by parameter name and range of the flattened
-        parameter, so :meth:`load_state_dict` can re-shard them for any dp size.
+        parameter, so :meth:`load_state_dict` can re-shard them for any dp size. Waits for
+        the host update in flight (``overlap_host_update``).
         """
+        self.wait()
         for ddp in self.ddps:
             ddp.finish_param_sync()
         params: dict[str, dict[str, Any]] = {
@@ -438,6 +513,7 @@ class DistributedOptimizer:
             num_groups=len(self.optimizer.param_groups),
             shapes=self._shapes,
         )
+        self.wait()
         for ddp in self.ddps:
             ddp.finish_param_sync()
         if self._offloader is not None:
@@ -468,6 +544,7 @@ class DistributedOptimizer:
 
     def memory_report(self) -> MemoryReport:
         """Bytes per parameter this rank holds (the optimizer state exists after the first step)."""
+        self.wait()
         buffers = [b for _, b in self._buffers()]
         state_bytes = sum(
             v.numel() * v.element_size()

@@ -16,6 +16,7 @@ from torch.distributed import ProcessGroup
 
 from mega_zero_optim.bucket import BucketState
 from mega_zero_optim.hsdp import reduce_grads
+from mega_zero_optim.param_gate import ParamGate
 from mega_zero_optim.shard_range import Range, shard_of
 
 __all__ = ["ShardedBucket", "free_storage", "storage_bytes"]
@@ -102,6 +103,8 @@ class ShardedBucket:
         self._grad_out: torch.Tensor | None = None
         self._grad_work: dist.Work | None = None
         self._param_work: dist.Work | None = None
+        #: set while an optimizer's update may still run (see :mod:`mega_zero_optim.param_gate`)
+        self.param_gate: ParamGate | None = None
         self._backward_waiting: set[int] = set(self.param_ids)
 
     # gradients ---------------------------------------------------------------------------
@@ -128,6 +131,8 @@ class ShardedBucket:
         self.state = BucketState.REDUCING
         if not self._communicates:
             return
+        if self.param_gate is not None:  # gathers asked for before go first on every rank
+            self.param_gate.flush()
         if self.scale != 1.0:
             self.grad_data.mul_(self.scale)
         # [bucket] -> [bucket/dp]: straight into the shard on the step's first reduction
@@ -184,23 +189,31 @@ class ShardedBucket:
 
     @property
     def param_sync_pending(self) -> bool:
-        """True while a parameter all-gather is in flight."""
-        return self._param_work is not None
+        """True while a parameter all-gather is in flight (or queued by a gate)."""
+        gate = self.param_gate
+        return self._param_work is not None or (gate is not None and gate.queued(self))
 
     def start_param_sync(self) -> bool:
         """Launch the all-gather of the parameters (asynchronously); False when not needed."""
         if self.dp_size == 1 or self._param_work is not None:
             return False
         if self.shard_params and not _allocate(self.param_data):
-            return False  # gathered already
+            return False  # gathered already (or queued by a gate)
+        if self.param_gate is None or not self.param_gate.defer(self):
+            self.launch_param_sync()
+        return True
+
+    def launch_param_sync(self) -> None:
+        """The all-gather itself, asking no gate."""
         # [bucket/dp] -> [bucket], each rank's shard copied to every rank
         self._param_work = dist.all_gather_into_tensor(
             self.param_data, self.param_shard, group=self.dp_group, async_op=True
         )
-        return True
 
     def finish_param_sync(self) -> None:
         """Wait for the parameter all-gather, if in flight; members then view the full values."""
+        if self.param_gate is not None:  # launch it first if a gate queued it
+            self.param_gate.force(self)
         if self._param_work is not None:
             self._param_work.wait()
             self._param_work = None
@@ -213,6 +226,8 @@ class ShardedBucket:
         """Drop the full parameters (ZeRO-3, dp > 1); False when there was nothing to free."""
         if not self.shard_params or self.dp_size == 1 or not self.gathered:
             return False
+        if self.param_gate is not None:  # a queued gather is launched in order, then dropped
+            self.param_gate.force(self)
         if self._param_work is not None:
             self._param_work.wait()
             self._param_work = None
