@@ -15,6 +15,7 @@ from mega_models.head import Embedding, embed, lm_head, make_head, mark_tied_cop
 from mega_models.layer import TransformerLayer
 from mega_models.mtp import MTPDepth, mtp_head
 from mega_models.norms import Norm
+from mega_models.overlap import OverlappedStage
 from mega_models.rope import rope_for
 from mega_models.stage_body import run_stage
 from mega_models.stages import StageSpec, stage_spec
@@ -31,7 +32,7 @@ __all__ = ["GPTModel"]
 Recompute = Literal["none", "selective", "full"]
 
 
-class GPTModel(nn.Module):
+class GPTModel(OverlappedStage, nn.Module):
     """A GPT decoder split by ``groups`` (tp heads/FFN/vocab, cp sequence) and by ``stage``.
 
     ``forward(x, labels=None)``: on the first stage ``x`` is token ids ``[b, s_local]``

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from mega_models.config import GPTConfig
 from mega_models.doc_mask import DocumentMask
 from mega_models.head import Embedding
+from mega_models.overlap import overlap_boundary
 from mega_models.rng_replay import rng_checkpoint_contexts
 from mega_models.stages import StageSpec
 from mega_tp_layers import ColumnParallelLinear, RNGStatesTracker
@@ -103,6 +104,8 @@ def run_stage(
     then, on the last stage unless ``head`` is False, the final norm, output layer and
     loss (or logits)."""
     for layer in layers:
+        if isinstance(model, nn.Module):  # a DualPipeV pair's backward piece; a recorded input
+            hidden = overlap_boundary(model, hidden)
         hidden = run_layer(model, layer, hidden, rope, seq_len, documents)
     if not model.stage.last or not head:
         return hidden

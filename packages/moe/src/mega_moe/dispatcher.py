@@ -105,6 +105,9 @@ class _Dispatcher:
         self.num_local = num_experts // ep
         self.first_expert = group_rank(ep_group) * self.num_local
         self._counts_checked: set[int] = set()
+        self.in_flight: Callable[[], object] | None = None
+        """Run while the token all-to-alls are in flight (set by a caller that overlaps
+        another micro-batch's compute with them, e.g. DualPipeV's pairs); None: nothing."""
 
     def _check_same_token_count(self, n: int, device: torch.device) -> None:
         """Padded chunks take their sizes from this rank's token count, so every ep and etp
@@ -181,9 +184,12 @@ class AllToAllDispatcher(_Dispatcher):
         recv_splits = [
             sum(chunk_host[mine + p * local : mine + (p + 1) * local]) for p in range(ep)
         ]
-        pending: list[dist.Work] | None = [] if during is not None and ep > 1 else None
+        overlap = during is not None or self.in_flight is not None
+        pending: list[dist.Work] | None = [] if overlap and ep > 1 else None
         received = all_to_all(send, recv_splits, send_splits, self.ep_group, pending)
         side = during() if during is not None else None
+        if self.in_flight is not None:
+            self.in_flight()
         for work in pending or []:
             work.wait()
         x, local_counts, etp = _to_experts(received, chunks, chunk_host, self.etp_group)
@@ -194,7 +200,12 @@ class AllToAllDispatcher(_Dispatcher):
         d = dispatched
         y = _from_experts(y, d.etp, self.etp_group)
         sent, received = d.splits
-        y = all_to_all(y, sent, received, self.ep_group)  # back to the senders
+        pending: list[dist.Work] | None = [] if self.in_flight is not None else None
+        y = all_to_all(y, sent, received, self.ep_group, pending)  # back to the senders
+        if self.in_flight is not None:
+            self.in_flight()
+        for work in pending or []:
+            work.wait()
         return d.perm.scatter_add(y, d.weights)  # [M_send, h] -> [N, h]
 
 
