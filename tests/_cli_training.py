@@ -12,14 +12,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["assert_loss_falls", "train_from_cli"]
+__all__ = ["assert_loss_falls", "run_from_cli", "train_from_cli"]
 
 STEPS = 12
 
 
-def train_from_cli(tmp_path: Path, config: Path, run_name: str, *extra: str) -> list[float]:
-    """The logged training losses of ``STEPS`` steps of ``--config config`` (run ``run_name``)."""
+def run_from_cli(
+    tmp_path: Path, config: Path, run_name: str, *extra: str
+) -> tuple[list[dict[str, Any]], str]:
+    """``STEPS`` steps of ``--config config`` (run ``run_name``): the logged training records
+    (``metrics.jsonl``) and what the run printed."""
     env = {**os.environ, "MEGA_PRETRAIN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     args = [
@@ -32,7 +36,12 @@ def train_from_cli(tmp_path: Path, config: Path, run_name: str, *extra: str) -> 
     done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = (tmp_path / "runs" / run_name / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"], done.stdout
+
+
+def train_from_cli(tmp_path: Path, config: Path, run_name: str, *extra: str) -> list[float]:
+    """The logged training losses of ``STEPS`` steps of ``--config config`` (run ``run_name``)."""
+    return [r["loss"] for r in run_from_cli(tmp_path, config, run_name, *extra)[0]]
 
 
 def assert_loss_falls(losses: list[float], by: float = 0.1) -> None:

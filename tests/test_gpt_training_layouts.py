@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _reference_cache import reference_once
 from _tolerance import forward_reduction_length, model_reduction_length
 
 from mega_models import GPTModel, gather_full_state
@@ -155,7 +156,7 @@ def _parallel(
 def _check(
     dist_pool: DistPool, layout: dict[str, object], model: dict[str, object], dp: int
 ) -> None:
-    reference = dist_pool.run(_reference, 1, args=(model,))[0]
+    reference = reference_once(dist_pool, _reference, model)
     _assert_matches(
         dist_pool.run(_parallel, _world(layout, dp), args=(layout, model)), reference, model
     )

@@ -9,7 +9,8 @@ bound of the model's chain of sums), run on MLA models: the layout suite's tiny 
 wider than the value heads (6); the MoE suite's DeepSeek-style model with the same MLA.
 Also a standard-attention model whose head width (kv_channels 16) is not hidden/heads at
 tp 2. And the registered ``deepseek-v3-tiny`` (MLA, DeepSeek routing, one MTP module) trains from
-the command line with ``configs/deepseek-v3-tiny.toml`` and its loss falls.
+the command line with ``configs/deepseek-v3-tiny.toml``: its loss and its MTP loss fall,
+and the MTP loss is logged.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 import test_moe_training as moe
-from _cli_training import assert_loss_falls, train_from_cli
+from _cli_training import assert_loss_falls, run_from_cli
 from test_gpt_training_layouts import _check
 
 from mega_parallel_grid.testing import DistPool
@@ -60,4 +61,9 @@ def test_mla_moe_training_at_ep2_etp1_tp2_matches_single_process(dist_pool: Dist
 
 def test_deepseek_v3_tiny_trains_from_the_command_line(tmp_path: Path) -> None:
     config = Path(__file__).parents[1] / "configs" / "deepseek-v3-tiny.toml"
-    assert_loss_falls(train_from_cli(tmp_path, config, "deepseek-v3-tiny"))
+    records, printed = run_from_cli(tmp_path, config, "deepseek-v3-tiny")
+    assert_loss_falls([r["loss"] for r in records])
+    # its one MTP module's loss: logged and on every log line (one depth: no per-depth key)
+    assert all("mtp_loss" in r and "mtp_loss_1" not in r for r in records), records[0]
+    assert_loss_falls([r["mtp_loss"] for r in records])
+    assert " mtp " in printed

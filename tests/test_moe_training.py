@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _reference_cache import reference_once
 from _tolerance import forward_reduction_length, model_reduction_length
 
 from mega_models import GPTConfig, GPTModel, gather_full_state
@@ -224,9 +225,9 @@ def _check(
     dp: int,
     micro: int = MICRO,
 ) -> None:
-    (ref_losses, ref_norms, ref_weights), ref_stats = dist_pool.run(
-        _reference, 1, args=(model, micro)
-    )[0]
+    (ref_losses, ref_norms, ref_weights), ref_stats = reference_once(
+        dist_pool, _reference, model, micro
+    )
     results = dist_pool.run(_parallel, _world(layout, dp), args=(layout, model, micro))
     expected_log = _expected_log(ref_stats, dp)
     forward, grad = _chain(model)

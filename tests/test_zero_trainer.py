@@ -18,6 +18,7 @@ import pytest
 import test_gpt_training_layouts as layouts
 import test_moe_training as moe
 import torch
+from _reference_cache import reference_once
 
 from mega_parallel_grid import init_process_groups
 from mega_parallel_grid.testing import DistPool, rank_device
@@ -82,7 +83,7 @@ def _check(
     dp: int = 2,
     train: dict[str, str] | None = None,
 ) -> None:
-    reference = dist_pool.run(layouts._reference, 1, args=(model,))[0]
+    reference = reference_once(dist_pool, layouts._reference, model)
     results = dist_pool.run(
         _parallel, layouts._world(layout, dp), args=(layout, model, train), timeout=600
     )

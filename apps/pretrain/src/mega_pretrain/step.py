@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from functools import partial
@@ -28,6 +29,9 @@ from mega_tp_layers import defer_weight_grads
 from mega_zero_optim import StepResult
 
 __all__ = ["Microbatch", "StepRunner"]
+
+#: the module of Inductor's CUDA graph trees (train.compile_mode reduce-overhead)
+_GRAPH_TREES = "torch._inductor.cudagraph_trees"
 
 #: One micro-batch: ``(tokens, labels)``, each ``[micro_batch, seq_len]`` int64.
 Microbatch = tuple[Tensor, Tensor]
@@ -182,8 +186,10 @@ class StepRunner:
         for group in optimizer.param_groups:
             group["lr"] = lr
         # a new iteration for train.compile_mode 'reduce-overhead' (CUDA graph trees reuse what
-        # the last step's backward freed); a counter, nothing more, without graphs
-        torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
+        # the last step's backward freed). Only once Inductor recorded graphs (it imports the
+        # graph trees then): importing them for nothing costs every run ~2 s of CPU.
+        if _GRAPH_TREES in sys.modules:
+            torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
         for ddp in self.built.ddps:
             ddp.zero_grad_buffer()
         for chunk in self.built.chunks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 from collections.abc import Callable
@@ -101,7 +102,7 @@ def run_core(
     return out
 
 
-class AttentionBase(nn.Module):
+class AttentionBase(nn.Module, abc.ABC):
     """The set-up every attention layer shares: its groups, heads per tp rank, dropout and
     recompute settings; then ``_build(config, linear)`` makes the layer's weights, with
     ``linear`` the factory arguments of its tp linears (``tp_group``, ``sequence_parallel``,
@@ -138,8 +139,9 @@ class AttentionBase(nn.Module):
     def _check(self, config: GPTConfig) -> None:
         """Raise for a config this layer does not build."""
 
+    @abc.abstractmethod
     def _build(self, config: GPTConfig, linear: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Make the layer's weights (each subclass its own)."""
 
 
 class SelfAttention(AttentionBase):
