@@ -13,6 +13,7 @@ from torch import nn
 from mega_models import GPTConfig, lm_head, stage_spec
 from mega_models.doc_mask import DocumentPacking
 from mega_models.families import ModelChunk
+from mega_models.overlap import OverlappedStage
 from mega_models.spec import spec_for
 from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
@@ -122,6 +123,8 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
             model, groups, stage, cp_method=p.cp_method, fp8=t.fp8,
             tp_comm_overlap=p.tp_comm_overlap, **kwargs,
         )  # fmt: skip
+        if isinstance(chunk, OverlappedStage):  # DualPipeV's pairs overlapped, or apart
+            chunk.overlap_pairs = p.dualpipev_overlap
         chunks.append(cast(ModelChunk, chunk))
     if t.loss_chunk_size:  # the fused output layer + loss: no [tokens, vocab] logits
         n = t.loss_chunk_size
@@ -166,6 +169,9 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         loss_scaler=DynamicLossScaler() if t.precision == "fp16" else None,
         overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
         optimizer_offload=p.optimizer_offload,
+        # the host update overlaps the next forward, unless a stage reads a weight outside
+        # the module whose pre-hook waits for it (a tied weight split over pp)
+        overlap_host_update=p.optimizer_offload and not tied_across_stages,
     )  # fmt: skip
     return Built(
         chunks, ddp, optimizer, rng, expert_ddp, packing_for(config),

@@ -59,6 +59,11 @@ class ParallelSection:
     (DeepSeek's V-shaped DualPipe; at least 2 pp micro-batches). The V schedules need vpp 2:
     rank r holds virtual stages r and 2 pp - 1 - r, so rank 0 holds the embedding and the
     output layer."""
+    dualpipev_overlap: bool = True
+    """Under ``pp_schedule dualpipev``: run each F&B pair as one overlapped step where the
+    model chunk offers it (GPT chunks: one micro-batch's forward interleaved layer by layer
+    with the other's backward, MoE dispatch/combine all-to-alls in flight behind the other's
+    compute); false: the pair's forward, then its backward. Only for dualpipev."""
     pp_layers: tuple[int, ...] = ()
     """Layers per virtual stage, in pipeline order (``pp * vpp`` counts adding up to the
     layers), e.g. ``13,11`` to give the last stage, which also holds the output layer and

@@ -11,11 +11,13 @@ import json
 
 import torch
 
+from mega_pipeline import OverlappedForwardBackward
 from mega_pretrain.auto_batch import resolve_micro_batch
 from mega_pretrain.build import gpt_config
 from mega_pretrain.config import TrainerConfig, config_to_dict
 from mega_pretrain.data import default_corpus
 from mega_pretrain.estimate import estimate
+from mega_pretrain.plan import Plan
 from mega_pretrain.runtime import precision_phrase, with_precision
 from mega_pretrain.validate import check_config
 from mega_pretrain.wandb_sink import check_wandb
@@ -61,6 +63,25 @@ def data_lines(config: TrainerConfig, total_params: int) -> list[str]:
     return lines
 
 
+def _dualpipev_lines(config: TrainerConfig, plan: Plan) -> list[str]:
+    """Whether DualPipeV's F&B pairs overlap; nothing under the other schedules."""
+    if config.parallel.resolved_pp_schedule() != "dualpipev":
+        return []
+    if not config.parallel.dualpipev_overlap:
+        how = "run apart, each pair's forward then its backward (parallel.dualpipev_overlap false)"
+    elif issubclass(plan.spec.model_class, OverlappedForwardBackward):
+        how = (
+            "overlapped, one micro-batch's forward interleaved layer by layer with the other's "
+            "backward, MoE all-to-alls in flight behind compute (parallel.dualpipev_overlap true)"
+        )
+    else:
+        how = (
+            f"run apart, each pair's forward then its backward ({plan.spec.name} chunks offer "
+            "no overlapped forward-backward)"
+        )
+    return [f"dualpipev pairs: {how}"]
+
+
 def _logging_line(config: TrainerConfig) -> str:
     r = config.run
     sinks = ["metrics.jsonl", *(["tensorboard"] if r.tensorboard else [])]
@@ -99,6 +120,7 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
         f"schedule: {t.warmup} warm-up steps to lr {t.lr:g}, then {t.decay} decay to "
         f"{t.min_lr:g} by step {t.steps}",
         *plan.describe(),
+        *_dualpipev_lines(config, plan),
         f"parameters: {est.total_params / 1e6:,.1f} M total, ~{est.params_per_rank / 1e6:,.1f} M per rank",
         f"FLOPs per token (fwd+bwd): {est.flops_per_token / 1e9:.3f} GFLOP",
         "memory per rank (estimate, busiest stage):",

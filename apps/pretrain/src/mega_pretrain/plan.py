@@ -94,7 +94,7 @@ class Plan:
         if self.config.parallel.pp_schedule == "zbv":
             return "ZBV (two chunks in a V, weight gradients deferred)"
         if self.config.parallel.pp_schedule == "dualpipev":
-            return "DualPipeV (two chunks in a V, F+B pairs run in turn)"
+            return "DualPipeV (two chunks in a V, each F&B pair one step)"
         return f"interleaved 1F1B (vpp {p.vpp})" if p.vpp and p.vpp > 1 else "1F1B"
 
     @property

@@ -65,6 +65,11 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             "defers; use train.recompute 'selective' or 'none', or pp_schedule '1f1b'"
         )
     _check_v_schedule(schedule, microbatches, p.pp, model)
+    if not p.dualpipev_overlap and schedule != "dualpipev":
+        raise ValueError(
+            f"parallel.dualpipev_overlap false only applies to pp_schedule 'dualpipev', but the "
+            f"schedule is {schedule!r}; drop the setting or set --parallel.pp_schedule dualpipev"
+        )
     if schedule == "interleaved" and microbatches % p.pp:
         raise ValueError(
             f"the interleaved schedule needs micro-batches per step ({microbatches}) to be a "
