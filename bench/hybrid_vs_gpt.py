@@ -33,13 +33,13 @@ for _key, _value in (
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _world import init_world  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mega_models.spec import spec_for  # noqa: E402
@@ -88,24 +88,6 @@ def _parse() -> argparse.Namespace:
         args.gpt, args.hybrid, args.seq, args.batch = "tiny", "hybrid-tiny", 32, 2
         args.warmup, args.iters = 1, 2
     return args
-
-
-def _init_world(smoke: bool) -> torch.device:
-    if "RANK" not in os.environ:  # plain `python3 bench/hybrid_vs_gpt.py`: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if smoke:
-        dist.init_process_group("gloo")
-        torch.set_num_threads(1)
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit("no GPU visible; run with --smoke to check the script on a CPU")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
@@ -185,7 +167,7 @@ def _bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
 
 def main() -> None:
     args = _parse()
-    device = _init_world(args.smoke)
+    device = init_world(args.smoke)
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     names = [args.only] if args.only else ["gpt", "hybrid"]

@@ -32,13 +32,13 @@ for _key, _value in (
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _world import init_world  # noqa: E402
 
 from mega_moe import (  # noqa: E402
     GroupedMLP,
@@ -89,24 +89,6 @@ def _parse() -> argparse.Namespace:
         args.experts, args.topk, args.hidden, args.ffn = 8, 2, 32, 32
         args.seq, args.batch, args.warmup, args.iters = 16, 2, 1, 2
     return args
-
-
-def _init_world(smoke: bool) -> torch.device:
-    if "RANK" not in os.environ:  # plain `python3 bench/moe_layer.py`: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if smoke:
-        dist.init_process_group("gloo")
-        torch.set_num_threads(1)
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit("no GPU visible; run with --smoke to check the script on a CPU")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _bench(
@@ -188,7 +170,7 @@ def _bench(
 
 def main() -> None:
     args = _parse()
-    device = _init_world(args.smoke)
+    device = init_world(args.smoke)
     groups = init_process_groups(ParallelConfig(ep=dist.get_world_size(), etp=1))
     rows = [
         _bench(d, impl, groups, args, device)

@@ -32,7 +32,6 @@ for _key, _value in (
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -41,6 +40,7 @@ from dataclasses import asdict, dataclass  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _world import init_world  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mega_parallel_grid import ParallelConfig, init_process_groups  # noqa: E402
@@ -78,24 +78,6 @@ def _parse() -> argparse.Namespace:
         args.hidden, args.ffn, args.seq, args.batch = 64, 256, 16, 2
         args.warmup, args.iters, args.dtype = 1, 2, "fp32"
     return args
-
-
-def _init_world(smoke: bool) -> torch.device:
-    if "RANK" not in os.environ:  # plain `python3 bench/tp_mlp.py`: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if smoke:
-        dist.init_process_group("gloo")
-        torch.set_num_threads(1)
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit("no GPU visible; run with --smoke to check the script on a CPU")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _time(
@@ -178,7 +160,7 @@ def _bench(tp: int, sp: bool, args: argparse.Namespace, device: torch.device) ->
 
 def main() -> None:
     args = _parse()
-    device = _init_world(args.smoke)
+    device = init_world(args.smoke)
     world, rank = dist.get_world_size(), dist.get_rank()
     configs = [(0, False), (1, False)]
     if world > 1:
