@@ -78,6 +78,12 @@ SUITES: dict[str, Suite] = {
         ("ssd kernel tests", 400, "python3 -m pytest -q packages/models/tests/test_ssd_triton.py"),
         ("ssd kernels", 400, "python3 bench/ssd_kernels.py"),
     ],
+    # the mixer's conv + SiLU and gated norm alone at hybrid-1b's shape: Triton vs torch eager/compiled
+    "mixer": [
+        ("mixer kernel tests", 400, "python3 -m pytest -q packages/models/tests/test_mixer_triton.py"),
+        ("mixer kernels", 400, "python3 bench/mixer_kernels.py"),
+        ("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile"),
+    ],
     # the 2026 families (issue 19): compiled, bf16 and bf16 + FP8 GEMMs
     "families19": [
         (f"{size} compile{' fp8' if fp8 else ''}", 300,
