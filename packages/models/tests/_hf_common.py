@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,28 @@ def save(model: Any, out: Path, shard_bytes: int) -> None:
     if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
         kwargs["safe_serialization"] = True  # transformers 4.x; 5.x writes only safetensors
     model.save_pretrained(out, **kwargs)
+
+
+def saved_checkpoints(
+    models: dict[str, Callable[[], Any]], root: pytest.TempPathFactory, shard_bytes: int,
+    batch: int, seq: int,
+) -> dict[str, tuple[Path, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Per architecture of ``models`` (its name -> a maker of a seeded transformers model):
+    the sharded checkpoint saved under ``root``, token ids ``[batch, seq]`` (the first row
+    ending on the last real row of the padded vocabulary) and transformers' logits for them."""
+    out = {}
+    for arch, make in models.items():
+        model = make()
+        path = root.mktemp(arch)
+        save(model, path, shard_bytes)
+        assert (path / "model.safetensors.index.json").is_file()
+        vocab = model.config.vocab_size
+        ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(2))
+        ids[0, -1] = vocab - 1
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.float()
+        out[arch] = (path, ids, logits)
+    return out
 
 
 def read_all(path: Path) -> dict[str, torch.Tensor]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _hf_common import forward_stages, one_sentence, randomise, read_all, save
+from _hf_common import forward_stages, one_sentence, randomise, read_all, saved_checkpoints
 
 from mega_models import GPTConfig, GPTModel, stage_spec
 from mega_models.hf import (
@@ -96,17 +97,8 @@ def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any, Any]]:
     """Per architecture: the saved directory, token ids [b, s] and transformers' logits."""
-    out = {}
-    for arch in ARCHS:
-        model = _hf_model(arch)
-        path = tmp_path_factory.mktemp(arch)
-        save(model, path, SHARD_BYTES)
-        assert (path / "model.safetensors.index.json").is_file()
-        vocab = model.config.vocab_size
-        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
-        ids[0, -1] = vocab - 1  # the last real row of the (padded) vocabulary
-        out[arch] = (path, ids, _logits(model, ids))
-    return out
+    models = {arch: partial(_hf_model, arch) for arch in ARCHS}
+    return saved_checkpoints(models, tmp_path_factory, SHARD_BYTES, BATCH, SEQ)
 
 
 def _close(mine: torch.Tensor, ref: torch.Tensor) -> None:
