@@ -5,7 +5,9 @@ Two ranks, ep 2 for the MoE model (each rank's tokens reach both ranks' experts)
 records the forward of micro-batch j; chunk X then runs micro-batch i's forward with j's
 backward interleaved. Copies of X and Y (same seeds) run the forward of i and the
 backward of j one after the other: X's loss and both chunks' gradients must agree
-(fp32, the models' reduction length). In the MoE case the trace of a wrapper around the
+(fp32, the models' reduction length); j's forward runs under a split backward, whose
+weight gradients still wait for the W pass, and each of Y's parameters accumulates its
+gradient once (the hook DDP's buckets use). In the MoE case the trace of a wrapper around the
 all-to-all and of Y's layers' backward hooks shows X's first token all-to-alls
 (dispatch, combine) issued before one of Y's layer backwards starts and waited for after
 it ends, and Y's layer backwards spread between X's layer forwards.
@@ -24,6 +26,7 @@ from mega_models import GPTConfig, GPTModel, model_config
 from mega_parallel_grid import ParallelConfig, init_process_groups
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
 from mega_pipeline import OverlappedForwardBackward
+from mega_tp_layers import defer_weight_grads
 
 SEQ, BATCH = 8, 2
 MOE = {
@@ -93,14 +96,21 @@ def _pair(moe: bool) -> None:
     for name, layer in x.layers.items():
         hooks.append(layer.register_forward_pre_hook(
             lambda m, a, n=name: traced.events.append(("x forward", n)) and None))  # fmt: skip
-    with y.overlap_record() as record:  # backward hooks are set up by the forward
+    accumulated: dict[str, int] = {}  # Y's gradient hooks (what DDP hangs its buckets on)
+    for pname, p in y.named_parameters():
+        hooks.append(p.register_post_accumulate_grad_hook(
+            lambda _, n=pname: accumulated.__setitem__(n, accumulated.get(n, 0) + 1)))  # fmt: skip
+    # j's forward under a split backward: its linears' weight gradients wait for W
+    with defer_weight_grads() as w_pass, y.overlap_record() as record:
         loss_j = y(ids_j.to(dev), labels_j.to(dev)).mean()
     assert len(record.boundaries) == config.num_layers
     traced.events.clear()
-    # apart: i's forward, then j's backward
-    loss_j_ref = y_ref(ids_j.to(dev), labels_j.to(dev)).mean()
+    # apart: i's forward, then j's backward (B, then W)
+    with defer_weight_grads() as w_pass_ref:
+        loss_j_ref = y_ref(ids_j.to(dev), labels_j.to(dev)).mean()
     loss_i_ref = x_ref(ids_i.to(dev), labels_i.to(dev)).mean()
     loss_j_ref.backward()
+    w_pass_ref.run()
     # overlapped, traced
     dist.all_to_all_single = traced.all_to_all_single
     try:
@@ -109,9 +119,13 @@ def _pair(moe: bool) -> None:
         )
     finally:
         dist.all_to_all_single = traced._real
-        for hook in hooks:
-            hook.remove()
     assert not record.boundaries  # every piece ran
+    deferred = {n for n, p in y.named_parameters() if p.grad is None}
+    assert len(w_pass) > 0 and deferred, "the linears' W waits for the W pass"
+    w_pass.run()
+    for hook in hooks:
+        hook.remove()
+    assert accumulated == {n: 1 for n, _ in y.named_parameters()}, accumulated  # once each
     loss_i.backward()
     loss_i_ref.backward()
     n = model_reduction_length(config, seq=SEQ, tokens=2 * SEQ * BATCH)
