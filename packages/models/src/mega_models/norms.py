@@ -1,9 +1,10 @@
 """RMSNorm and LayerNorm whose parameters are replicated over tp.
 
 Under :func:`mega_tp_layers.defer_weight_grads` a norm's backward is split: ``B`` gives
-the input gradient (from the normalised input and the weight) and the weight (and bias)
-gradients, ``sum(dy * x_hat)`` and ``sum(dy)`` over the tokens, are left in the store for
-its ``W`` pass, computed from the saved input and output gradient.
+the input gradient and the weight (and bias) gradients, ``sum(dy * x_hat)`` and ``sum(dy)``
+over the tokens, are left in the store for its ``W`` pass. Both are aten's fused norm
+backward with the other half masked off, run from the input, output gradient and the
+statistics the forward saved, so B costs what the fused backward's input path costs.
 """
 
 from __future__ import annotations
@@ -38,16 +39,54 @@ class Ones:
         full.fill_(1.0)
 
 
-def _normalised(x: Tensor, kind: str, eps: float) -> tuple[Tensor, Tensor]:
-    """``x_hat`` and ``1/sigma`` of ``x`` over its last dim, in fp32 at least."""
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    if kind == "layernorm":
-        x = x - x.mean(dim=-1, keepdim=True)
-        var = x.square().mean(dim=-1, keepdim=True)
-    else:
-        var = x.square().mean(dim=-1, keepdim=True)
-    rstd = torch.rsqrt(var + eps)
-    return x * rstd, rstd
+def _fused_rms_backward(x: Tensor) -> bool:
+    """Whether aten's fused RMSNorm backward kernel runs on ``x``'s device (CUDA, torch 2.9+)."""
+    return x.device.type == "cuda" and hasattr(torch.ops.aten, "_fused_rms_norm_backward")
+
+
+def _rms_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``F.rms_norm`` and its ``1/sigma`` per token (fp32 for low-precision inputs)."""
+    shape = [x.shape[-1]]
+    if hasattr(torch.ops.aten, "_fused_rms_norm"):  # what F.rms_norm runs, with its rstd
+        out, rstd = torch.ops.aten._fused_rms_norm(x, shape, weight, eps)
+        return out, rstd
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
+    return F.rms_norm(x, shape, weight, eps), rstd
+
+
+def _rms_x_hat(x: Tensor, rstd: Tensor) -> Tensor:
+    """The normalised input ``x / sigma`` from the forward's saved ``rstd``, in fp32 at least."""
+    return x.to(torch.promote_types(x.dtype, rstd.dtype)) * rstd
+
+
+def _rms_dgrad(grad: Tensor, x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """RMSNorm's input gradient alone: aten's fused kernel where it runs, else 7 ops in fp32.
+
+    ``dx = rstd * (g - x_hat * mean(g * x_hat))`` with ``g = dy * w``: the same count of
+    full-size ops as autograd through ``F.rms_norm``'s CPU composite, nothing recomputed.
+    """
+    if _fused_rms_backward(x):
+        dx: Tensor = torch.ops.aten._fused_rms_norm_backward(
+            grad, x, [x.shape[-1]], rstd, weight, [True, False]
+        )[0]
+        return dx
+    x_hat = _rms_x_hat(x, rstd)
+    g = grad.to(x_hat.dtype) * weight.to(x_hat.dtype)  # d loss / d x_hat
+    dx = g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True)
+    return (dx * rstd).to(x.dtype)
+
+
+def _rms_wgrad(grad: Tensor, x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """RMSNorm's weight gradient ``sum(dy * x_hat)`` over the tokens, accumulated in fp32."""
+    if _fused_rms_backward(x):
+        dw: Tensor = torch.ops.aten._fused_rms_norm_backward(
+            grad, x, [x.shape[-1]], rstd, weight, [False, True]
+        )[1]
+        return dw
+    x_hat = _rms_x_hat(x, rstd).reshape(-1, x.shape[-1])  # [tokens, h]
+    g = grad.reshape(-1, grad.shape[-1]).to(x_hat.dtype)
+    return (g * x_hat).sum(dim=0).to(weight.dtype)
 
 
 def _norm(x: Tensor, kind: str, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -57,7 +96,13 @@ def _norm(x: Tensor, kind: str, eps: float, weight: Tensor, bias: Tensor | None)
 
 
 class _SplitNorm(Function):
-    """fwd: the fused norm · bwd: input gradient now, weight/bias gradients queued in the store"""
+    """fwd: the fused norm · bwd: input gradient now, weight/bias gradients queued in the store
+
+    Both halves run aten's fused backward (``native_layer_norm_backward``, and on CUDA
+    ``_fused_rms_norm_backward``) with the other half's outputs masked off, from the
+    statistics forward saved (``rstd``, and LayerNorm's mean): B costs what the fused
+    backward's input path costs, and W one pass over ``(x, dy)``.
+    """
 
     @staticmethod
     def forward(
@@ -70,32 +115,37 @@ class _SplitNorm(Function):
         params: tuple[Tensor, Tensor | None],
         store: WeightGradStore,
     ) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.kind, ctx.eps, ctx.params, ctx.store = kind, eps, params, store
-        return _norm(x, kind, eps, weight, bias)
+        ctx.kind, ctx.params, ctx.store = kind, params, store
+        if kind == "rmsnorm":
+            out, rstd = _rms_forward(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return out
+        ln_out, mean, rstd = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        result: Tensor = ln_out
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        kind, eps, params = ctx.kind, ctx.eps, ctx.params
+        need_x = ctx.needs_input_grad[0]
+        if ctx.kind == "rmsnorm":
+            x, weight, rstd = ctx.saved_tensors
+            ctx.store.defer(lambda: (_rms_wgrad(grad, x, rstd, weight), None), ctx.params)
+            dx_rms = _rms_dgrad(grad, x, rstd, weight) if need_x else None
+            return dx_rms, None, None, None, None, None, None
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        shape, with_bias = [x.shape[-1]], bias is not None
+        backward = torch.ops.aten.native_layer_norm_backward
 
         def wgrad() -> tuple[Tensor | None, ...]:
-            x_hat = _normalised(x, kind, eps)[0].reshape(-1, x.shape[-1])  # [tokens, h]
-            g = grad.reshape(-1, grad.shape[-1]).to(x_hat.dtype)
-            dw = (g * x_hat).sum(dim=0).to(weight.dtype)
-            db = g.sum(dim=0).to(weight.dtype) if params[1] is not None else None
+            _, dw, db = backward(grad, x, shape, mean, rstd, weight, bias, [False, True, with_bias])
             return dw, db
 
-        ctx.store.defer(wgrad, params)
-        if not ctx.needs_input_grad[0]:
+        ctx.store.defer(wgrad, ctx.params)
+        if not need_x:
             return (None,) * 7
-        x_hat, rstd = _normalised(x, kind, eps)
-        g = grad.to(x_hat.dtype) * weight.to(x_hat.dtype)  # d loss / d x_hat
-        # d x_hat/d x projects out the directions the normalisation removes
-        dx = g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True)
-        if kind == "layernorm":
-            dx = dx - g.mean(dim=-1, keepdim=True)
-        return (dx * rstd).to(x.dtype), None, None, None, None, None, None
+        dx: Tensor = backward(grad, x, shape, mean, rstd, weight, bias, [True, False, False])[0]
+        return dx, None, None, None, None, None, None
 
 
 class Norm(KeepsParamAttrs):

@@ -64,19 +64,48 @@ class WeightGradStore:
         accumulator (and the hooks on it) runs once, however many layers used it.
         """
         pending, self._pending = self._pending, []
-        grads: dict[int, tuple[Tensor, Tensor]] = {}
-        for compute, params in pending:
-            with torch.no_grad():  # the gradients are values; autograd only accumulates them
-                values = compute()
-            for param, grad in zip(params, values, strict=True):
-                if param is None or grad is None:
-                    continue
-                seen = grads.get(id(param))
-                grads[id(param)] = (param, grad if seen is None else seen[1] + grad)
-        if grads:
-            torch.autograd.backward(
-                [p for p, _ in grads.values()], grad_tensors=[g for _, g in grads.values()]
-            )
+        params, grads = _sum_by_param(pending)
+        del pending
+        if params:
+            root = _Accumulate.apply(grads, *params)
+            del grads  # the engine then holds each gradient alone and hands it over uncopied
+            root.backward(torch.empty_like(root))
+
+
+def _sum_by_param(
+    pending: list[tuple[WeightGradFn, tuple[Tensor | None, ...]]],
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Each parameter once, with the sum of the gradients the queued passes computed for it."""
+    grads: dict[int, tuple[Tensor, Tensor]] = {}
+    for compute, params in pending:
+        with torch.no_grad():  # the gradients are values; autograd only accumulates them
+            values = compute()
+        for param, grad in zip(params, values, strict=True):
+            if param is None or grad is None:
+                continue
+            seen = grads.get(id(param))
+            grads[id(param)] = (param, grad if seen is None else seen[1] + grad)
+    return [p for p, _ in grads.values()], [g for _, g in grads.values()]
+
+
+class _Accumulate(Function):
+    """fwd: an empty root over ``params`` · bwd: their gradients ``grads``, as computed
+
+    Handing the gradients back from inside the engine leaves it the only holder of each,
+    so a parameter's accumulator takes the tensor as its ``.grad`` (as in a fused
+    backward) instead of copying it, which it must do for a gradient that the caller of
+    ``torch.autograd.backward(params, grads)`` still references.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, grads: list[Tensor], *params: Tensor) -> Tensor:
+        ctx.grads = grads
+        return torch.empty((), device=params[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, None
+        return None, *grads
 
 
 @contextmanager
