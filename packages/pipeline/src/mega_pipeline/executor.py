@@ -111,6 +111,7 @@ class _Runner:
         self.hooks = hooks
         self.num_stages = pp * len(chunks)
         self.state = _State({}, {}, {}, {}, {}, {}, {})
+        self.unposted: list[Step] = []  # the first exchanges of a unit, posted with its last
         self.pending: list[tuple[Any, ...]] = []  # exchanges posted, not yet waited for
 
     def _stage(self, chunk: int) -> int:
@@ -143,35 +144,47 @@ class _Runner:
         """Post the step's exchange. :meth:`finish_exchange` waits for it before the next
         F or B: the W passes run while it is in flight, and the exchanges of steps with no
         action (the first parts of a unit that moves two messages over one link) go out
-        together with the next pass's."""
+        in one batch with the next pass's."""
         if not step.exchange.is_empty():
-            self.pending.append(self._start(step))
+            self.unposted.append(step)
+        if step.action is not None:
+            self._post()
+
+    def _post(self) -> None:
+        steps, self.unposted = self.unposted, []
+        if steps:
+            self.pending += self._start(steps)
 
     def finish_exchange(self) -> None:
         """Complete every exchange posted and not yet waited for, in posting order."""
+        self._post()
         pending, self.pending = self.pending, []
         for posted in pending:
             self._finish(posted)
 
-    def _start(self, step: Step) -> tuple[Any, ...]:
-        ex = step.exchange
+    def _start(self, steps: Sequence[Step]) -> list[tuple[Any, ...]]:
+        """Post the steps' exchanges as one batch."""
         assert self.comm is not None, "a plan with exchanges needs a communicator"
         s = self.state
-        # a gradient has the shape of the activation it belongs to (kept when freed)
-        back = ex.recv_next
-        back_shape = (
-            s.outputs[self._received(back)].shape
-            if back is not None and back.kind == "gradient"
-            else None
-        )
-        posted = self.comm.start_exchange(
-            send_next=self._payload(ex.send_next),
-            send_prev=self._payload(ex.send_prev),
-            recv_prev=ex.recv_prev is not None,
-            recv_next=back is not None,
-            recv_next_shape=back_shape,
-        )
-        return posted, ex
+        parts = []
+        for step in steps:
+            ex = step.exchange
+            # a gradient has the shape of the activation it belongs to (kept when freed)
+            back = ex.recv_next
+            back_shape = (
+                s.outputs[self._received(back)].shape
+                if back is not None and back.kind == "gradient"
+                else None
+            )
+            parts.append({
+                "send_next": self._payload(ex.send_next),
+                "send_prev": self._payload(ex.send_prev),
+                "recv_prev": ex.recv_prev is not None,
+                "recv_next": back is not None,
+                "recv_next_shape": back_shape,
+            })  # fmt: skip
+        posted = self.comm.start_exchanges(parts)
+        return [(p, step.exchange) for p, step in zip(posted, steps, strict=True)]
 
     def _finish(self, pending: tuple[Any, ...]) -> None:
         posted, ex = pending

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -206,6 +206,40 @@ class P2PCommunicator:
 
         With variable shapes the shape messages still go first, waited for.
         """
+        ops, from_prev, from_next = self._prepare(
+            send_next=send_next, send_prev=send_prev, recv_prev=recv_prev,
+            recv_next=recv_next, recv_next_shape=recv_next_shape,
+        )  # fmt: skip
+        return PendingExchange(self, self._post(ops, "the exchange"), from_prev, from_next)
+
+    def start_exchanges(self, parts: Sequence[Mapping[str, Any]]) -> list[PendingExchange]:
+        """Several :meth:`start_exchange` calls (their keyword arguments, in order) posted
+        as one ``batch_isend_irecv``; the ops keep their order, so each channel's messages
+        match first-in first-out. Waiting for the first waits for them all. With
+        variable shapes each part is posted on its own, its shapes first."""
+        if self.variable_shapes or len(parts) < 2:
+            return [self.start_exchange(**part) for part in parts]
+        ops: list[dist.P2POp] = []
+        received = []
+        for part in parts:
+            part_ops, from_prev, from_next = self._prepare(**part)
+            ops += part_ops
+            received.append((from_prev, from_next))
+        requests = self._post(ops, "the exchange")
+        return [
+            PendingExchange(self, requests if i == 0 else [], *r) for i, r in enumerate(received)
+        ]
+
+    def _prepare(
+        self,
+        *,
+        send_next: Tensor | None = None,
+        send_prev: Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        recv_next_shape: Sequence[int] | None = None,
+    ) -> tuple[list[dist.P2POp], Tensor | None, Tensor | None]:
+        """One exchange's ops in posting order and its receive buffers."""
         if self.size == 1 and (
             send_next is not None or send_prev is not None or recv_prev or recv_next
         ):
@@ -239,8 +273,7 @@ class P2PCommunicator:
             assert next_shape is not None
             from_next = torch.empty(next_shape, dtype=self.dtype, device=self.device)
             ops.append(self._op(False, from_next, self.next_rank))
-        requests = self._post(ops, "the exchange")
-        return PendingExchange(self, requests, from_prev, from_next)
+        return ops, from_prev, from_next
 
     def send_forward(self, activation: Tensor) -> None:
         """Send an activation to the next stage."""
