@@ -2,6 +2,7 @@
 
     python3 bench/split_ops.py                 # CPU, fp32, one process
     python3 bench/split_ops.py --dtype bf16    # on a GPU when one is visible
+    python3 bench/split_ops.py --cases rmsnorm --compile aot_eager  # + dynamo graph breaks
 
 Device-independent companion of ``bench/split_backward.py`` (issue 23): for one layer kind
 at a time (column linear with bias, row linear, RMSNorm, LayerNorm, embedding, MoE grouped
@@ -11,8 +12,9 @@ same output gradient under a ``TorchDispatchMode`` that counts the aten ops that
 (views, ``detach`` and other aliases left out) and the bytes of the tensors each reads and
 writes. A B whose ops or bytes exceed ``fused - W`` does work the fused backward does not.
 ``fused input`` is the fused backward with the weights frozen (its input-gradient path
-alone), what the norms' B is held to. Prints a table; ``--json`` appends one line per row
-to ``$OUT/results.jsonl``.
+alone), what the norms' B is held to. ``--compile BACKEND`` also counts dynamo's graph
+breaks and graphs for the layer stack compiled layer by layer, fused and split. Prints a
+table; ``--json`` appends one line per row to ``$OUT/results.jsonl``.
 """
 
 from __future__ import annotations
@@ -227,12 +229,48 @@ CASES: dict[str, Case] = {
 }
 
 
+def graph_breaks(backend: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Dynamo's graph breaks and graphs for the tiny layer stack, each layer compiled as
+    ``train.compile`` does, fused and then split (two forward + backward each)."""
+    from torch._dynamo.utils import counters
+
+    cfg = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, limit, max(getattr(cfg, limit), 64))
+    result: dict[str, Any] = {}
+    for split in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        stack, forward, grad = _gpt_layers(device, dtype)
+        for layer in stack:
+            layer.compile(backend=backend)
+        for _ in range(2):
+            if split:
+                with defer_weight_grads() as store:
+                    y = forward()
+                y.backward(grad)
+                store.run()
+            else:
+                forward().backward(grad)
+        mode = "split" if split else "fused"
+        result[f"{mode}_graph_breaks"] = sum(counters["graph_break"].values())
+        result[f"{mode}_graphs"] = counters["stats"]["unique_graphs"]
+        result[f"{mode}_break_reasons"] = sorted(
+            {r.split("\n")[0] for r in counters["graph_break"]}
+        )
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default=None)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     ap.add_argument("--ops", action="store_true", help="print each tally's ops by name")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--compile", default=None, metavar="BACKEND",
+        help="also count dynamo graph breaks of the compiled layer stack (aot_eager, inductor)",
+    )  # fmt: skip
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -272,6 +310,16 @@ def main() -> None:
             **{f"{k.replace(' ', '_')}_bytes": v.bytes for k, v in t.items()},
             "torch": torch.__version__,
         })  # fmt: skip
+    if args.compile:
+        breaks = graph_breaks(args.compile, device, dtype)
+        for mode in ("fused", "split"):
+            print(
+                f"compiled ({args.compile}) gpt layers x2, {mode}: "
+                f"{breaks[f'{mode}_graph_breaks']} graph breaks, {breaks[f'{mode}_graphs']} "
+                f"graphs; {'; '.join(breaks[f'{mode}_break_reasons']) or 'no breaks'}"
+            )
+        rows.append({"bench": "split_ops", "case": "graph breaks", "backend": args.compile,
+                     "torch": torch.__version__, **breaks})  # fmt: skip
     out = os.environ.get("OUT")
     if args.json and out:
         with open(os.path.join(out, "results.jsonl"), "a") as f:
