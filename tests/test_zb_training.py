@@ -54,6 +54,18 @@ def test_v_schedules_train_moe_as_one_process(
     moe._check(dist_pool, layout, {**moe.MIXTRAL, "num_layers": 4}, 1, micro=1)
 
 
+SHARED_EMBEDDING = [(ZBV, {"tie_embeddings": True}), (DUALPIPEV, {"mtp_num_layers": 1})]
+
+
+@pytest.mark.parametrize(("layout", "model"), SHARED_EMBEDDING, ids=["zbv-tied", "dualpipev-mtp"])
+def test_v_schedules_sum_the_end_chunks_embedding_grads(
+    dist_pool: DistPool, layout: dict[str, object], model: dict[str, object]
+) -> None:
+    """The V puts the first and the last stage on pp rank 0: a tied embedding (or the one
+    DeepSeek-V3's MTP depth reuses) has its two copies there, their gradients summed."""
+    _check(dist_pool, layout, model, 1)
+
+
 HYBRID = {"pattern": "M*-M*-M-"}  # the tiny GPT's sizes as a Mamba / attention / MLP hybrid
 
 
@@ -188,14 +200,6 @@ def test_dualpipev_needs_two_pp_micro_batches() -> None:
     config = load_config(None, overrides)
     expected = r"'dualpipev' needs at least 2 \* pp \(4\) micro-batches per step, but there are 2"
     with pytest.raises(ValueError, match=expected):
-        check_config(config, gpt_config(config), 2)
-
-
-def test_v_schedules_refuse_tied_embeddings() -> None:
-    overrides = [("train.global_batch_size", "8"), ("train.micro_batch_size", "1")]
-    overrides += [("parallel.pp", "2"), ("parallel.vpp", "2"), ("parallel.pp_schedule", "zbv")]
-    config = load_config(None, [*overrides, ("model.tie_embeddings", "true")])
-    with pytest.raises(ValueError, match="puts the embedding and the output layer in two chunks"):
         check_config(config, gpt_config(config), 2)
 
 

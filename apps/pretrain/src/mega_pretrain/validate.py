@@ -16,8 +16,9 @@ from mega_pretrain.sharding import check_sharding
 __all__ = ["check_config"]
 
 
-def _check_v_schedule(schedule: str, microbatches: int, pp: int, model: GPTConfig) -> None:
-    """ZBV/DualPipeV: the V puts the first and last stages on pp rank 0, as two chunks."""
+def _check_v_schedule(schedule: str, microbatches: int, pp: int) -> None:
+    """ZBV/DualPipeV: the V puts the first and last stages on pp rank 0, as two chunks (a
+    tied or MTP-shared embedding's two copies are summed there)."""
     if schedule not in ("zbv", "dualpipev"):
         return
     if schedule == "dualpipev" and microbatches < 2 * pp:
@@ -25,13 +26,6 @@ def _check_v_schedule(schedule: str, microbatches: int, pp: int, model: GPTConfi
             f"parallel.pp_schedule 'dualpipev' needs at least 2 * pp ({2 * pp}) micro-batches "
             f"per step, but there are {microbatches}; raise train.global_batch_size or lower "
             "micro_batch_size"
-        )
-    if model.tie_embeddings or model.mtp_num_layers > 0:
-        raise ValueError(
-            f"parallel.pp_schedule {schedule!r} puts the embedding and the output layer in two "
-            "chunks of pp rank 0, which do not share a tied weight (model.tie_embeddings "
-            f"{model.tie_embeddings}, model.mtp_num_layers {model.mtp_num_layers}); untie them "
-            "or use pp_schedule 'zb-h1'"
         )
 
 
@@ -64,7 +58,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             "linears, but train.recompute 'full' reruns that forward in backward, where nothing "
             "defers; use train.recompute 'selective' or 'none', or pp_schedule '1f1b'"
         )
-    _check_v_schedule(schedule, microbatches, p.pp, model)
+    _check_v_schedule(schedule, microbatches, p.pp)
     if not p.dualpipev_overlap and schedule != "dualpipev":
         raise ValueError(
             f"parallel.dualpipev_overlap false only applies to pp_schedule 'dualpipev', but the "

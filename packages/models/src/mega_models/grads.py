@@ -24,8 +24,10 @@ def finalize_model_grads(chunks: nn.Module | Sequence[nn.Module], groups: Proces
 
     Under sequence parallelism (and for QK-norm) each tp rank holds part of a replicated
     parameter's gradient; with tied embeddings or multi-token prediction and pp > 1 the
-    first and last stage each hold part of the embedding's. Works on ``main_grad``
-    (mega-zero-optim's DDP, after ``finish_grad_sync``) or ``grad``. Data-parallel reduction is the DDP's job.
+    first and last stage each hold part of the embedding's (summed over the embedding group,
+    or on this rank when it holds both end stages, as the V schedules place them). Works on
+    ``main_grad`` (mega-zero-optim's DDP, after ``finish_grad_sync``) or ``grad``.
+    Data-parallel reduction is the DDP's job.
     """
     modules = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
     params = [p for m in modules for p in m.parameters()]
@@ -49,7 +51,11 @@ def finalize_model_grads(chunks: nn.Module | Sequence[nn.Module], groups: Proces
             if name == "embedding.word.weight" and grad is not None:
                 _check_whole([(name, p)])
                 tied.append(grad)
-    if tied:
+    if len(tied) > 1:  # the V schedules: both end stages are chunks of this rank
+        total = torch.stack(tied).sum(0)
+        for grad in tied:
+            grad.copy_(total)
+    elif tied:
         all_reduce_coalesced(tied, groups.embedding)
 
 
