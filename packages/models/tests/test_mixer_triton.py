@@ -31,7 +31,7 @@ from _child_cases import child_case_results
 from mega_models.hybrid_config import HybridConfig
 from mega_models.mamba import Mamba2Mixer
 from mega_models.mixer_triton import causal_conv1d_silu, gated_rms_norm
-from mega_parallel_grid.testing import assert_close_to_reference, solo_groups
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, solo_groups
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
@@ -174,6 +174,22 @@ def _needs_triton_sentence() -> None:
             Mamba2Mixer(HybridConfig(mixer_kernel="triton"), tp_group=solo_groups().tp)
 
 
+def _tp2_sequence_parallel() -> None:
+    """test_mamba's tp contract with the kernels on both sides: tp 2 with sequence parallel
+    (each rank's conv channels and norm groups its own) == one process. Two GPUs only: in
+    the interpreter two fresh workers cost about a minute on 2 CPU cores."""
+    if torch.cuda.device_count() < 2:
+        raise _NotHere("tp 2 with the kernels runs on two GPUs (here: too slow interpreted)")
+    from test_mamba import _tp_contract
+
+    with DistPool() as pool:
+        pool.run(_tp_contract, 2, args=(2, True, {"mixer_kernel": "triton"}))
+
+
+class _NotHere(Exception):
+    """A case that cannot run on this machine (the test is skipped, saying why)."""
+
+
 #: the cases run in the child
 CASES: dict[str, Callable[[], None]] = {
     "conv fp64, the mixer's strided slices, bias, s 37 (3 parts of 16), b 2, k 4": lambda: (
@@ -188,6 +204,7 @@ CASES: dict[str, Callable[[], None]] = {
     "mixer: mixer_kernel triton == torch, fp64": _mixer_triton_equals_torch,
     "torch.compile fullgraph == eager": _compiled_equals_eager,
     "mixer_kernel triton without triton: one sentence": _needs_triton_sentence,
+    "tp 2 + sequence parallel == one process, kernels on both": _tp2_sequence_parallel,
 }
 
 
@@ -198,6 +215,8 @@ def case_results() -> dict[str, str]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels(case_results: dict[str, str], case: str) -> None:
+    if _NotHere.__name__ in case_results[case]:
+        pytest.skip(case_results[case].strip().splitlines()[-1])
     assert case_results[case] == "ok", case_results[case]
 
 
