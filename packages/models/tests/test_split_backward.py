@@ -48,15 +48,15 @@ def _assert_close(run: SplitRun, n: int, what: str) -> None:
         )
 
 
-def _check_norm(kind: str, dtype: torch.dtype) -> None:
+def _check_norm(kind: str, dtype: torch.dtype, device: str = "cpu") -> None:
     g = init_process_groups(ParallelConfig()).tp
-    norm = Norm(H, kind, 1e-5, tp_group=g, dtype=dtype)
+    norm = Norm(H, kind, 1e-5, tp_group=g, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in norm.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
-    x0 = (3.0 * torch.randn(S, B, H, generator=gen) + 1.0).to(dtype)
-    dy = torch.randn(S, B, H, generator=gen).to(dtype)
+    x0 = (3.0 * torch.randn(S, B, H, generator=gen) + 1.0).to(device, dtype)
+    dy = torch.randn(S, B, H, generator=gen).to(device, dtype)
 
     def forward() -> tuple[Tensor, dict[str, Tensor]]:
         x = x0.clone().requires_grad_()
@@ -77,6 +77,14 @@ def test_norm_split_equals_fused(dist_pool: DistPool, kind: str) -> None:
 def test_norm_split_in_bf16(dist_pool: DistPool) -> None:
     """bf16 parameters get bf16 gradients (the sums run in fp32), to bf16's rounding bound."""
     dist_pool.run(_check_norm, 1, ("layernorm", torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="aten's fused RMSNorm backward is CUDA's")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_norm_split_on_cuda(dist_pool: DistPool, kind: str, dtype: torch.dtype) -> None:
+    """On a GPU both halves run aten's fused kernels (``_fused_rms_norm_backward`` masked)."""
+    dist_pool.run(_check_norm, 1, (kind, dtype, "cuda"))
 
 
 class _CountOps(TorchDispatchMode):
