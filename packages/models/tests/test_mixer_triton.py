@@ -11,7 +11,9 @@ one element, the two sides summing in other orders: the conv's ``k`` taps and it
 (``k + 1``); its input gradient, ``k`` terms of a ``k + 1``-term pre-activation
 (``2k + 1``); its weight and bias gradients, every position of every batch row on top
 (``s·b + k + 1``); the norm's mean over ``w`` channels (``w + 1``), its backward a second
-``w``-sum (``2w + 2``) and, for the weight, every row (``rows + w + 1``).
+``w``-sum (``2w + 2``) and, for the weight, every row (``rows + w + 1``). The fp16 and bf16
+cases keep the bound at their own ``u`` (fp32 inside; rounding the inputs to the half type
+adds about ``u`` relative, inside it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from mega_models.mixer_triton import causal_conv1d_silu, gated_rms_norm
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference, solo_groups
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-F64 = torch.float64
+F64, BF16 = torch.float64, torch.bfloat16
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -53,35 +55,36 @@ def _conv_reference(
 
 
 def _check_conv(
-    s: int, b: int, g: int, c: int, k: int, with_bias: bool, mixer_slices: bool
-) -> None:
+    s: int, b: int, g: int, c: int, k: int, with_bias: bool, mixer_slices: bool,
+    dtype: torch.dtype = F64,
+) -> None:  # fmt: skip
     """With ``mixer_slices`` x is the mixer's view: per group ``c`` channels at offset 3 of a
     row of ``c + 5`` (in_proj's ``z, xBC, dt``), ``[s, b, g, c]``; else ``[s, b, g * c]``."""
     rows = _randn(s, b, g, c + 5, seed=0)
     weight = _randn(g * c, k, seed=1)
     bias = _randn(g * c, seed=2) if with_bias else None
 
-    def leaves(device: str) -> list[torch.Tensor]:
-        x = rows.to(device)[..., 3 : 3 + c]
+    def leaves(device: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        x = rows.to(device, dtype)[..., 3 : 3 + c]
         x = x if mixer_slices else x.reshape(s, b, g * c).contiguous()
-        return [t.to(device).requires_grad_() for t in (x, weight, bias) if t is not None]
+        return [t.to(device, dtype).requires_grad_() for t in (x, weight, bias) if t is not None]
 
-    ref_in, mine_in = leaves("cpu"), leaves(DEVICE)
+    def conv(ins: list[torch.Tensor], fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        return fn(ins[0], ins[1], ins[2] if with_bias else None)
+
+    ref_in, mine_in = leaves("cpu", F64), leaves(DEVICE, dtype)
     assert mine_in[0].is_contiguous() != mixer_slices  # the layout the kernel reads
-    ref = _conv_reference(*ref_in, *([] if with_bias else [None]))
-    out = causal_conv1d_silu(*mine_in, *([] if with_bias else [None]))
-    assert out.dtype == F64 and out.shape == ref.shape
+    ref, out = conv(ref_in, _conv_reference), conv(mine_in, causal_conv1d_silu)
+    assert out.dtype == dtype and out.shape == ref.shape
     assert_close_to_reference(out, ref, reduction_length=k + 1, name="conv output")
     dy = _randn(*ref.shape, seed=3)
     ref_grads = torch.autograd.grad(ref, ref_in, dy)
-    grads = torch.autograd.grad(out, mine_in, dy.to(DEVICE))
+    grads = torch.autograd.grad(out, mine_in, dy.to(DEVICE, dtype))
+    assert all(mine.dtype == dtype for mine in grads)
     assert_close_to_reference(grads[0], ref_grads[0], reduction_length=2 * k + 1, name="dx")
-    for name, mine, full in zip(
-        ("dweight", "dbias")[: len(grads) - 1], grads[1:], ref_grads[1:], strict=True
-    ):
+    for name, mine, full in zip(("dweight", "dbias"), grads[1:], ref_grads[1:], strict=False):
         assert_close_to_reference(mine, full, reduction_length=s * b + k + 1, name=name)
-    again = torch.autograd.grad(causal_conv1d_silu(*mine_in, *([] if with_bias else [None])),
-                                mine_in, dy.to(DEVICE))  # fmt: skip
+    again = torch.autograd.grad(conv(mine_in, causal_conv1d_silu), mine_in, dy.to(DEVICE, dtype))
     assert all(torch.equal(a, r) for a, r in zip(again, grads, strict=True)), "not deterministic"
 
 
@@ -199,8 +202,10 @@ CASES: dict[str, Callable[[], None]] = {
     "gated norm fp64, 3 groups of 12, z strided, 26 rows (2 parts)": lambda: _check_norm(
         (13, 2), 3, 12, F64
     ),
-    # fp16 in and out, statistics in fp32: within fp16's bound of the fp64 composition
+    # half precision in and out, fp32 inside: within its bound of the fp64 composition
+    "conv bf16, the mixer's slices": lambda: _check_conv(20, 2, 2, 8, 4, True, True, BF16),
     "gated norm fp16": lambda: _check_norm((5, 2), 2, 16, torch.float16),
+    "gated norm bf16": lambda: _check_norm((5, 2), 2, 16, BF16),
     "mixer: mixer_kernel triton == torch, fp64": _mixer_triton_equals_torch,
     "torch.compile fullgraph == eager": _compiled_equals_eager,
     "mixer_kernel triton without triton: one sentence": _needs_triton_sentence,
