@@ -78,6 +78,7 @@ class Built:
     @contextmanager
     def gathered_parameters(self) -> Iterator[None]:
         """Inside, every parameter holds its full values (ZeRO-3 gathers them; read only)."""
+        self.optimizer.wait()  # parallel.optimizer_offload: the last step's host update
         with ExitStack() as stack:
             for ddp in self.ddps:
                 stack.enter_context(ddp.gathered_parameters())
