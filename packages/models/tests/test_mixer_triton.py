@@ -148,6 +148,9 @@ def _mixer_triton_equals_torch() -> None:
     names = ["input", *(name for name, _ in mixer.named_parameters())]
     for name, mine, ref in zip(names, grads[1], grads[0], strict=True):
         assert_close_to_reference(mine, ref, reduction_length=chain, name=f"grad {name}")
+    # the whole mixer with the kernels traces as one graph (dynamo alone: the same ops run)
+    compiled = torch.compile(mixer, backend="eager", fullgraph=True)(x)
+    assert torch.equal(compiled, outs[1])
 
 
 def _compiled_equals_eager() -> None:
@@ -206,7 +209,7 @@ CASES: dict[str, Callable[[], None]] = {
     "conv bf16, the mixer's slices": lambda: _check_conv(20, 2, 2, 8, 4, True, True, BF16),
     "gated norm fp16": lambda: _check_norm((5, 2), 2, 16, torch.float16),
     "gated norm bf16": lambda: _check_norm((5, 2), 2, 16, BF16),
-    "mixer: mixer_kernel triton == torch, fp64": _mixer_triton_equals_torch,
+    "mixer: mixer_kernel triton == torch, fp64; one graph compiled": _mixer_triton_equals_torch,
     "torch.compile fullgraph == eager": _compiled_equals_eager,
     "mixer_kernel triton without triton: one sentence": _needs_triton_sentence,
     "tp 2 + sequence parallel == one process, kernels on both": _tp2_sequence_parallel,
