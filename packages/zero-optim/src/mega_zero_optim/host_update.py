@@ -96,7 +96,9 @@ class HostUpdate:
         self._queued = {id(b) for b in requested}
         self._error = None
         self._step_number = number
-        self._thread = threading.Thread(target=self._work, name="mega-host-update")
+        # a daemon: a process that exits (or is killed) mid-update is not held by it; what
+        # must persist (a checkpoint) waits for the update first
+        self._thread = threading.Thread(target=self._work, name="mega-host-update", daemon=True)
         self._thread.start()
 
     def _work(self) -> None:

@@ -283,7 +283,10 @@ class DistributedOptimizer:
         return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
 
     def zero_grad(self) -> None:
-        """Zero the gradient buffers of every wrapped module (call before each step's backward)."""
+        """Zero the gradient buffers of every wrapped module (call before each step's backward).
+
+        It does not wait for an overlapped host update: it touches only the device gradient
+        buffers, not the host copies that update reads."""
         for ddp in self.ddps:
             ddp.zero_grad_buffer()
 
