@@ -143,20 +143,22 @@ MOE_CASES = [
     ({"ep": 2, "sharding": "gradients"}, 4),  # ep2 folded over dp4: experts over edp 2
     ({"ep": 2, "pp": 2, "sharding": "gradients"}, 2),
     ({"ep": 2, "sharding": "parameters"}, 4),  # two gatherers: dense over dp, experts over edp
-    ({"ep": 2, "pp": 2, "sharding": "parameters"}, 2),
+    # ZeRO-3 under the V schedule: each rank's two chunks gathered and reduced apart
+    ({"ep": 2, "pp": 2, "vpp": 2, "pp_schedule": "zbv", "sharding": "parameters"}, 2),
 ]
 
 
 @pytest.mark.parametrize(
     ("layout", "dp"),
     MOE_CASES,
-    ids=["zero2-ep2-dp4", "zero2-ep2-pp2-dp2", "zero3-ep2-dp4", "zero3-ep2-pp2-dp2"],
+    ids=["zero2-ep2-dp4", "zero2-ep2-pp2-dp2", "zero3-ep2-dp4", "zero3-ep2-zbv-dp2"],
 )
 def test_moe_zero_trains_like_one_process(
     dist_pool: DistPool, layout: dict[str, object], dp: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(moe, "_parallel", _moe_parallel)  # the workers run it by name
-    moe._check(dist_pool, layout, moe.MIXTRAL, dp)
+    model = {**moe.MIXTRAL, "num_layers": 4} if "vpp" in layout else moe.MIXTRAL
+    moe._check(dist_pool, layout, model, dp)
 
 
 _MOE_PARALLEL = moe._parallel  # taken before any test replaces it
