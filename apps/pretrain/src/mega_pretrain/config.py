@@ -94,9 +94,11 @@ class ParallelSection:
     replicas. Unset: shard over all of dp."""
     optimizer_offload: bool = False
     """Keep the fp32 master weights and the Adam moments in host memory (pinned on a GPU) and
-    run the update on the CPU (torch's fused AdamW), each updated shard copied up while the
-    next one updates: 12 (or 16 under ZeRO-2/3) fewer device bytes per parameter and rank,
-    for a model that does not fit otherwise (needs distributed_optimizer)."""
+    run the update on the CPU (torch's fused AdamW) on a background thread, overlapped with
+    the next step's forward (each layer waits only for its own shard to be updated and
+    copied up; run in step where a weight tied across pp stages is read outside its
+    module): 12 (or 16 under ZeRO-2/3) fewer device bytes per parameter and rank, for a model
+    that does not fit otherwise (needs distributed_optimizer)."""
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's reduction during backward."""
     overlap_param_gather: bool = False
