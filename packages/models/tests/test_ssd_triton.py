@@ -14,11 +14,6 @@ adds a relative rounding of ~|s| · u, far inside the bound (~450 u at these siz
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 from collections.abc import Callable
 
 import pytest
@@ -27,6 +22,7 @@ import torch.distributed as dist
 
 pytest.importorskip("triton")
 
+from _child_cases import child_case_results
 from test_ssd import _inputs as ssd_inputs
 
 from mega_models.hybrid_config import HybridConfig
@@ -118,32 +114,9 @@ CASES: dict[str, Callable[[], None]] = {
 }
 
 
-def _run_cases() -> None:
-    """In the child: every case, then one JSON line ``{case: "ok" or the traceback}``."""
-    results = {}
-    for name, case in CASES.items():
-        try:
-            case()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def case_results() -> dict[str, str]:
-    here = os.path.dirname(__file__)  # test_ssd, for the child too
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    if DEVICE == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    code = f"import runpy; runpy.run_path({__file__!r})['_run_cases']()"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-        check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    results: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
-    return results
+    return child_case_results(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))
