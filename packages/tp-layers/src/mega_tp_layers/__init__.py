@@ -6,6 +6,7 @@ from mega_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 from mega_tp_layers.embedding import VocabParallelEmbedding
 from mega_tp_layers.fp8 import (
     Fp8Recipe,
+    Fp8Shard,
     fp8_gemm_supported,
     fp8_linear,
     fp8_linear_dgrad,
@@ -79,6 +80,7 @@ __all__ = [
     "Backend",
     "ColumnParallelLinear",
     "Fp8Recipe",
+    "Fp8Shard",
     "InitMethod",
     "KeepsParamAttrs",
     "Normal",

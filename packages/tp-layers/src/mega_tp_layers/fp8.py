@@ -1,4 +1,7 @@
-"""FP8 GEMMs for the linear layers: tensor-wise dynamic scaling through ``torch._scaled_mm``.
+"""FP8 GEMMs for the linear layers: dynamic scaling through ``torch._scaled_mm``.
+
+``Fp8Recipe.scaling`` picks the granularity: ``"tensor"`` (described here, the default),
+``"row"`` or ``"block"`` (DeepSeek-V3's 1x128 / 128x128 tiles; see ``fp8_scaling``).
 
 Every GEMM operand is quantised when it is used: the amax of the whole tensor gives
 ``scale = fp8_max / max(amax, eps)``. Under tensor parallelism an operand that is a shard
@@ -22,7 +25,8 @@ and nothing branches on tensor values, so ``torch.compile`` traces it without br
 
 Under :func:`~mega_tp_layers.defer_weight_grads` (``fp8_linear(..., store=...)``) the
 backward runs the dgrad GEMM and leaves the wgrad GEMM, on the same quantised gradient and
-the forward's fp8 input, to the store's W pass.
+the forward's fp8 input, to the store's W pass (row/block: the wgrad GEMM quantises the
+gradient and the input along its own axes there).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,11 +43,20 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from mega_tp_layers._comm import all_reduce_max, group_size
+from mega_tp_layers.fp8_scaling import (
+    SCALINGS,
+    Fp8Shard,
+    Fp8Tiles,
+    operand_tile,
+    quantize_tiles,
+    tiled_gemm,
+)
 from mega_tp_layers.wgrad import WeightGradStore
 
 __all__ = [
     "FP8_ALIGNMENT",
     "Fp8Recipe",
+    "Fp8Shard",
     "Fp8Tensor",
     "fp8_gemm_fits",
     "fp8_gemm_supported",
@@ -64,10 +77,13 @@ FP8_ALIGNMENT = 16
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+#: The group an operand is a shard of: bare (tensor-wise only) or with its dim.
+Shard = ProcessGroup | Fp8Shard | None
+
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """How a linear layer's three GEMMs run in FP8: tensor-wise scales from the current amax."""
+    """How a linear layer's three GEMMs run in FP8: scales from the current amax."""
 
     fwd_dtype: torch.dtype = torch.float8_e4m3fn
     """Format of inputs and weights (3 mantissa bits: relative rounding error <= 2^-4)."""
@@ -81,8 +97,16 @@ class Fp8Recipe:
     """The forward GEMM accumulates in the tensor cores' fast mode (``use_fast_accum``, no
     periodic promotion to fp32: faster, less precise over long K); dgrad and wgrad never do.
     The exact emulation accumulates in fp32 either way."""
+    scaling: Literal["tensor", "row", "block"] = "tensor"
+    """One scale per tensor; per row along each operand's non-contracted dimension; or per
+    1x128 tile of activations and gradients and 128x128 block of weights (``fp8_scaling``)."""
 
     def __post_init__(self) -> None:
+        if self.scaling not in SCALINGS:
+            raise ValueError(
+                f"Fp8Recipe.scaling ({self.scaling!r}) is not one of {', '.join(SCALINGS)}; "
+                "pick one of those"
+            )
         for label, value in (("fwd_dtype", self.fwd_dtype), ("grad_dtype", self.grad_dtype)):
             if value not in _FP8_DTYPES:
                 raise ValueError(
@@ -251,14 +275,15 @@ def fp8_linear_forward(
     recipe: Fp8Recipe,
     *,
     out_dtype: torch.dtype | None = None,
-    x_group: ProcessGroup | None = None,
-    w_group: ProcessGroup | None = None,
+    x_group: Shard = None,
+    w_group: Shard = None,
 ) -> Tensor:
     """``x2d @ weight.T``: ``[M, K] x [N, K] -> [M, N]``, both in ``recipe.fwd_dtype``.
 
     The result has ``out_dtype`` (default: ``x2d``'s dtype). ``x_group`` / ``w_group``: the
     group an operand is a shard of (its scale is then the whole tensor's, see
     :func:`fp8_quantize`); the same for the ``*_group`` arguments of the other GEMMs.
+    Row/block scaling needs each as an :class:`Fp8Shard` (which dim is split).
     """
     _check_pair("fp8_linear_forward", x2d, weight, 1, 1)
     out_dtype = out_dtype if out_dtype is not None else x2d.dtype
@@ -266,8 +291,12 @@ def fp8_linear_forward(
     if not fp8_gemm_fits(*dims):
         warn_unaligned("forward", dims)
         return (x2d @ weight.t()).to(out_dtype)
-    xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, x_group)
-    wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, w_group)
+    if recipe.scaling != "tensor":
+        xt = _tiles(x2d, recipe.fwd_dtype, recipe, 1, False, x_group, "the input")
+        wt = _tiles(weight, recipe.fwd_dtype, recipe, 1, True, w_group, "the weight")
+        return tiled_gemm(xt, wt.t(), out_dtype, recipe, forward=True)
+    xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, _group(x_group))
+    wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))
     return scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe, forward=True)
 
 
@@ -278,8 +307,8 @@ def fp8_linear_dgrad(
     *,
     out_dtype: torch.dtype | None = None,
     weight_q: Fp8Tensor | None = None,
-    g_group: ProcessGroup | None = None,
-    w_group: ProcessGroup | None = None,
+    g_group: Shard = None,
+    w_group: Shard = None,
 ) -> Tensor:
     """``grad2d @ weight``: ``[M, N] x [N, K] -> [M, K]``, the gradient in ``grad_dtype``.
 
@@ -293,9 +322,14 @@ def fp8_linear_dgrad(
     if not fp8_gemm_fits(*dims):
         warn_unaligned("dgrad", dims)
         return (_grad_values(grad2d).to(weight.dtype) @ weight).to(out_dtype)
+    if recipe.scaling != "tensor":
+        gt = _tiles(_plain(grad2d, recipe), recipe.grad_dtype, recipe, 1, False, g_group,
+                    "the output gradient")  # fmt: skip
+        wt = _tiles(weight, recipe.fwd_dtype, recipe, 0, True, w_group, "the weight")
+        return tiled_gemm(gt, wt, out_dtype, recipe, forward=False)
     if weight_q is None:
-        weight_q = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, w_group)
-    return scaled_gemm(_as_grad(grad2d, recipe, g_group), weight_q, out_dtype, recipe)
+        weight_q = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))
+    return scaled_gemm(_as_grad(grad2d, recipe, _group(g_group)), weight_q, out_dtype, recipe)
 
 
 def fp8_linear_wgrad(
@@ -304,8 +338,8 @@ def fp8_linear_wgrad(
     recipe: Fp8Recipe,
     *,
     out_dtype: torch.dtype | None = None,
-    g_group: ProcessGroup | None = None,
-    x_group: ProcessGroup | None = None,
+    g_group: Shard = None,
+    x_group: Shard = None,
 ) -> Tensor:
     """``grad2d.T @ x2d``: ``[M, N]^T x [M, K] -> [N, K]``, the weight's gradient.
 
@@ -323,11 +357,16 @@ def fp8_linear_wgrad(
         warn_unaligned("wgrad", dims)
         x_hp = x2d.dequantize() if isinstance(x2d, Fp8Tensor) else x2d
         return (_grad_values(grad2d).to(x_hp.dtype).t() @ x_hp).to(out_dtype)
-    gq = _as_grad(grad2d, recipe, g_group)
+    if recipe.scaling != "tensor":  # both along the tokens: 128x1 tiles or per column
+        gt = _tiles(_plain(grad2d, recipe), recipe.grad_dtype, recipe, 0, False, g_group,
+                    "the output gradient")  # fmt: skip
+        xt = _tiles(_plain(x2d, recipe), recipe.fwd_dtype, recipe, 0, False, x_group, "the input")
+        return tiled_gemm(gt.t(), xt, out_dtype, recipe, forward=False)
+    gq = _as_grad(grad2d, recipe, _group(g_group))
     if isinstance(x2d, Fp8Tensor):
         xq = x2d
     else:
-        xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, x_group)
+        xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, _group(x_group))
     return scaled_gemm(Fp8Tensor(gq.data.t(), gq.inv_scale), xq, out_dtype, recipe)
 
 
@@ -335,12 +374,39 @@ def _rows(t: Tensor | Fp8Tensor) -> int:
     return int((t.data if isinstance(t, Fp8Tensor) else t).shape[0])
 
 
+def _group(shard: Shard) -> ProcessGroup | None:
+    """The group of a shard, for tensor-wise scaling (one scalar: the dim does not matter)."""
+    return shard.group if isinstance(shard, Fp8Shard) else shard
+
+
+def _plain(t: Tensor | Fp8Tensor, recipe: Fp8Recipe) -> Tensor:
+    if isinstance(t, Fp8Tensor):
+        raise ValueError(
+            f"Fp8Recipe(scaling={recipe.scaling!r}) quantises each GEMM's operands along its "
+            "own axes, so it takes the high-precision tensor, not a tensor-wise Fp8Tensor"
+        )
+    return t
+
+
+def _tiles(
+    t: Tensor, dtype: torch.dtype, recipe: Fp8Recipe, contracted: int, weight: bool,
+    shard: Shard, what: str,
+) -> Fp8Tiles:  # fmt: skip
+    tile = operand_tile(recipe.scaling, contracted, weight)
+    return quantize_tiles(t, dtype, recipe.eps, tile, shard, what)
+
+
 def shared_grad(
-    grad2d: Tensor, in_features: int, recipe: Fp8Recipe, group: ProcessGroup | None = None
+    grad2d: Tensor, in_features: int, recipe: Fp8Recipe, group: Shard = None
 ) -> Tensor | Fp8Tensor:
-    """The output gradient quantised once for both backward GEMMs, when they qualify."""
+    """The output gradient quantised once for both backward GEMMs, when they qualify.
+
+    Row/block scaling quantises it along other axes for each GEMM: returned as it is.
+    """
+    if recipe.scaling != "tensor":
+        return grad2d
     if fp8_gemm_fits(grad2d.shape[0], grad2d.shape[1], in_features):
-        return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps, group)
+        return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps, _group(group))
     return grad2d
 
 
@@ -349,7 +415,8 @@ class _Fp8Linear(Function):
 
     When the GEMMs qualify, backward reuses the fp8 input and weight forward made (the
     same values a requantisation would give): the input is kept in 1 byte an element
-    instead of 2, and neither is quantised twice.
+    instead of 2, and neither is quantised twice. Row/block scaling keeps the input in its
+    own dtype: the wgrad GEMM quantises it along the tokens, not along the features.
     """
 
     @staticmethod
@@ -359,7 +426,7 @@ class _Fp8Linear(Function):
         weight: Tensor,
         bias: Tensor | None,
         recipe: Fp8Recipe,
-        groups: tuple[ProcessGroup | None, ProcessGroup | None, ProcessGroup | None],
+        groups: tuple[Shard, Shard, Shard],
         deferred: tuple[WeightGradStore, Tensor, Tensor | None] | None = None,
     ) -> Tensor:
         ctx.recipe, ctx.x_dtype, ctx.groups = recipe, x.dtype, groups
@@ -372,8 +439,12 @@ class _Fp8Linear(Function):
             out = fp8_linear_forward(x, weight, recipe)  # warns once, runs in high precision
             return out if bias is None else out + bias
         ctx.quantised = True
-        xq = fp8_quantize(x, recipe.fwd_dtype, recipe.eps, x_group)  # [tokens, in]
-        wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, w_group)  # [out, in]
+        if recipe.scaling != "tensor":  # each GEMM quantises along its own axes
+            ctx.save_for_backward(x, weight)
+            out = fp8_linear_forward(x, weight, recipe, x_group=x_group, w_group=w_group)
+            return out if bias is None else out + bias
+        xq = fp8_quantize(x, recipe.fwd_dtype, recipe.eps, _group(x_group))  # [tokens, in]
+        wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))  # [out, in]
         ctx.save_for_backward(xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight)
         out = scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), x.dtype, recipe, forward=True)
         return out if bias is None else out + bias
@@ -381,14 +452,20 @@ class _Fp8Linear(Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         recipe: Fp8Recipe = ctx.recipe
-        g_group = ctx.groups[2]  # the saved input and weight are quantised already
+        x_group, w_group, g_group = ctx.groups  # tensor-wise: x and W are quantised already
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.deferred is not None:
             need_w, need_b = True, ctx.deferred[2] is not None
         x: Tensor | Fp8Tensor
         wq: Fp8Tensor | None = None
         g: Tensor | Fp8Tensor = grad
-        if ctx.quantised:
+        dgrad_shards: dict[str, Shard] = {}
+        wgrad_shards: dict[str, Shard] = {}
+        if ctx.quantised and recipe.scaling != "tensor":  # quantised by each GEMM
+            x, weight = ctx.saved_tensors
+            dgrad_shards = {"g_group": g_group, "w_group": w_group}
+            wgrad_shards = {"g_group": g_group, "x_group": x_group}
+        elif ctx.quantised:
             x_data, x_inv, w_data, w_inv, weight = ctx.saved_tensors
             x, wq = Fp8Tensor(x_data, x_inv), Fp8Tensor(w_data, w_inv)
             if need_x or need_w:
@@ -398,10 +475,14 @@ class _Fp8Linear(Function):
         grad_x = None
         if need_x:
             out_dtype = ctx.x_dtype
-            grad_x = fp8_linear_dgrad(g, weight, recipe, out_dtype=out_dtype, weight_q=wq)
+            grad_x = fp8_linear_dgrad(
+                g, weight, recipe, out_dtype=out_dtype, weight_q=wq, **dgrad_shards
+            )
 
         def wgrad() -> tuple[Tensor | None, Tensor | None]:
-            grad_w = fp8_linear_wgrad(g, x, recipe, out_dtype=weight.dtype) if need_w else None
+            grad_w = None
+            if need_w:
+                grad_w = fp8_linear_wgrad(g, x, recipe, out_dtype=weight.dtype, **wgrad_shards)
             return grad_w, grad.sum(dim=0) if need_b else None
 
         if ctx.deferred is not None:
@@ -417,9 +498,9 @@ def fp8_linear(
     bias: Tensor | None = None,
     *,
     recipe: Fp8Recipe,
-    x_group: ProcessGroup | None = None,
-    w_group: ProcessGroup | None = None,
-    g_group: ProcessGroup | None = None,
+    x_group: Shard = None,
+    w_group: Shard = None,
+    g_group: Shard = None,
     store: WeightGradStore | None = None,
 ) -> Tensor:
     """``F.linear(x, weight, bias)`` with its forward, dgrad and wgrad GEMMs in fp8.
@@ -427,8 +508,8 @@ def fp8_linear(
     ``x`` is ``[..., in]``; the bias is added in high precision and its gradient is the
     high-precision sum of the output gradient. ``x_group`` / ``w_group`` / ``g_group``:
     the group that ``x``, ``weight`` or the output gradient is a shard of, so that each is
-    scaled as the whole tensor (tensor parallelism then quantises as one process would).
-    With ``store`` (a :class:`~mega_tp_layers.WeightGradStore`) the weight and bias
+    scaled as the whole tensor (tensor parallelism then quantises as one process would);
+    row/block scaling needs them as :class:`Fp8Shard` (group, dim). With ``store`` (a :class:`~mega_tp_layers.WeightGradStore`) the weight and bias
     gradients are left to its W pass.
     """
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:

@@ -47,6 +47,7 @@ from mega_tp_layers._comm import (
 from mega_tp_layers.fp8 import (
     FP8_ALIGNMENT,
     Fp8Recipe,
+    Fp8Shard,
     Fp8Tensor,
     fp8_linear,
     fp8_linear_dgrad,
@@ -54,6 +55,7 @@ from mega_tp_layers.fp8 import (
     fp8_linear_wgrad,
     shared_grad,
 )
+from mega_tp_layers.fp8_scaling import check_fp8_layout
 from mega_tp_layers.init import InitMethod, Normal, PaddedRows, Zeros
 from mega_tp_layers.mappings import (
     gather_from_tp_region,
@@ -103,7 +105,7 @@ class _ColumnParallelMatmul(Function):
         if fp8 is None:
             return F.linear(total, weight, bias)  # [s, b, h] -> [s, b, out/tp]
         # fp8 inputs are 2-D: [s*b, h] -> [s*b, out/tp]; the weight shard scaled as the whole
-        out = fp8_linear_forward(total, weight, fp8, w_group=group)
+        out = fp8_linear_forward(total, weight, fp8, w_group=Fp8Shard(group, 0))
         return out if bias is None else out + bias
 
     @staticmethod
@@ -119,13 +121,16 @@ class _ColumnParallelMatmul(Function):
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [s*b, out/tp]
         g8: Tensor | Fp8Tensor = grad_2d
         if fp8 is not None and (need_x or need_w):  # quantised once for dgrad and wgrad
-            g8 = shared_grad(grad_2d, weight.shape[1], fp8, group)  # a shard of the gradient
+            g8 = shared_grad(grad_2d, weight.shape[1], fp8, Fp8Shard(group, 1))  # a shard
         grad_input, pending = None, None
         if need_x:
             if fp8 is None:
                 grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
             else:
-                grad_input = fp8_linear_dgrad(g8, weight, fp8, out_dtype=x.dtype, w_group=group)
+                grad_input = fp8_linear_dgrad(
+                    g8, weight, fp8, out_dtype=x.dtype,
+                    g_group=Fp8Shard(group, 1), w_group=Fp8Shard(group, 0),
+                )  # fmt: skip
             if sp:
                 if gather is not None:
                     gather.wait()
@@ -168,7 +173,7 @@ def _column_dgrad_deferring_wgrad(
     store, w_param, b_param = deferred
     g8: Tensor | Fp8Tensor = grad
     if fp8 is not None:  # [s*b, out/tp], a shard of the gradient, quantised once
-        g8 = shared_grad(grad, weight.shape[1], fp8, group)
+        g8 = shared_grad(grad, weight.shape[1], fp8, Fp8Shard(group, 1))
 
     def wgrad() -> tuple[Tensor | None, ...]:
         total = all_gather_dim0(x, group)[0] if sp else x  # [s/tp, b, h] -> [s, b, h]
@@ -181,7 +186,10 @@ def _column_dgrad_deferring_wgrad(
     if fp8 is None:
         grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
     else:
-        grad_input = fp8_linear_dgrad(g8, weight, fp8, out_dtype=x.dtype, w_group=group)
+        grad_input = fp8_linear_dgrad(
+            g8, weight, fp8, out_dtype=x.dtype,
+            g_group=Fp8Shard(group, 1), w_group=Fp8Shard(group, 0),
+        )  # fmt: skip
     if sp:
         grad_input = reduce_scatter_dim0(grad_input, group)[0]  # -> [s/tp, b, h]
     else:
@@ -213,6 +221,7 @@ def column_parallel_linear(
     overlap = check_tp_comm_overlap(
         "column_parallel_linear", tp_comm_overlap, sequence_parallel, tp
     )
+    check_fp8_layout("column_parallel_linear", fp8, tp, ("out/tp", weight.shape[0]), overlap)
     if overlap:
         out = all_gather_linear(x, weight, bias, tp_group=tp_group, fp8=fp8)
         return gather_from_tp_region(out, tp_group) if gather_output else out
@@ -360,6 +369,8 @@ class ColumnParallelLinear(ShardedModule):
         self.tp_comm_overlap = _check_overlap(
             owner, tp_comm_overlap, sequence_parallel, tp, backend
         )
+        shard = ("out_features/tp", self.out_features_per_rank)
+        check_fp8_layout(owner, self.fp8, tp, shard, self.tp_comm_overlap)
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
         if full_out != out_features:
@@ -481,6 +492,8 @@ class RowParallelLinear(ShardedModule):
         self.tp_comm_overlap = _check_overlap(
             owner, tp_comm_overlap, sequence_parallel, tp, backend
         )
+        shard = ("in_features/tp", self.in_features_per_rank)
+        check_fp8_layout(owner, self.fp8, tp, shard, self.tp_comm_overlap)
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
         w_spec = ShardSpec(1, tp, rank, group_name, (out_features, in_features), False)
@@ -540,9 +553,10 @@ class RowParallelLinear(ShardedModule):
                 if store is None
                 else split_linear(x, self.weight, None, store)
             )
-        else:  # the input and weight are shards over tp: scaled as the wholes
+        else:  # the input and weight are shards over tp (along in): scaled as the wholes
+            shard = Fp8Shard(group, 1)
             partial = fp8_linear(
-                x, self.weight, recipe=fp8, x_group=group, w_group=group, store=store
+                x, self.weight, recipe=fp8, x_group=shard, w_group=shard, store=store
             )
         if sp:
             out = reduce_scatter_to_sequence_region(partial, group)  # -> [s/tp, b, out]
