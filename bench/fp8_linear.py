@@ -2,9 +2,11 @@
 
     python3 bench/fp8_linear.py                        # H200: h 2048, ffn 5632, 16k tokens
     python3 bench/fp8_linear.py --smoke                # CPU, tiny shapes, emulated fp8
+    python3 bench/fp8_linear.py --recipe block         # row | block scaling (default tensor)
 
 Times ``F.linear`` in bf16 against ``mega_tp_layers.fp8_linear`` (forward, dgrad and wgrad
-in fp8, tensor-wise dynamic scales) for the MLP's two GEMM shapes (h -> ffn, ffn -> h):
+in fp8, dynamic scales of ``--recipe``: tensor-wise, row-wise or 1x128/128x128 block-wise)
+for the MLP's two GEMM shapes (h -> ffn, ffn -> h):
 10 warm-up iterations, then 50 timed with CUDA events, median reported. Before timing it
 checks the ``_scaled_mm`` results against the exact CPU-style emulation on the same device
 (same fp8 values and scales, fp32 matmul): they differ only by the accumulation order,
@@ -77,7 +79,7 @@ def _check_against_emulation(
     x: Tensor, w: Tensor, g: Tensor, recipe: Fp8Recipe
 ) -> dict[str, float]:
     """Max relative difference of each fp8 GEMM from its emulation (same values, same scales)."""
-    emulated = Fp8Recipe(emulate=True)
+    emulated = Fp8Recipe(emulate=True, scaling=recipe.scaling)
     x2d, g2d = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
     return {
         "forward": _rel(fp8_linear_forward(x2d, w, recipe), fp8_linear_forward(x2d, w, emulated)),
@@ -95,12 +97,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--compile", action="store_true", help="torch.compile both variants")
     ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, a few iterations")
+    ap.add_argument("--recipe", choices=("tensor", "row", "block"), default="tensor")
     args = ap.parse_args()
     if args.smoke:
         args.hidden, args.ffn, args.tokens, args.iters, args.warmup = 64, 176, 256, 3, 1
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    recipe = Fp8Recipe()
+    recipe = Fp8Recipe(scaling=args.recipe)
     emulated = recipe.emulated_on(device)
     if not args.smoke and not fp8_gemm_supported(device):
         raise SystemExit("this benchmark needs a CUDA GPU of compute capability 8.9+ (or --smoke)")
@@ -127,6 +130,7 @@ def main() -> None:
             "bf16_ms": ms["bf16"], "fp8_ms": ms["fp8"], "speedup": ms["bf16"] / ms["fp8"],
             "bf16_tflops": flops / ms["bf16"] / 1e9, "fp8_tflops": flops / ms["fp8"] / 1e9,
             "vs_emulation_rel": check, "emulated": emulated, "compile": args.compile,
+            "recipe": args.recipe,
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         }  # fmt: skip

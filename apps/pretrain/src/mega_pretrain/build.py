@@ -22,7 +22,7 @@ from mega_pretrain.data.packing import packing_for
 from mega_pretrain.graphs import compile_kwargs
 from mega_pretrain.plan import resolve_model_config
 from mega_pretrain.runtime import resolve_precision
-from mega_tp_layers import SEQUENCE_PARALLEL_ATTR, RNGStatesTracker, tp_rng_tracker
+from mega_tp_layers import SEQUENCE_PARALLEL_ATTR, Fp8Recipe, RNGStatesTracker, tp_rng_tracker
 from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, DynamicLossScaler
 
 __all__ = [
@@ -121,7 +121,8 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
             rank = pp - 1 - rank
         stage = stage_spec(model.num_layers, pp, rank, vpp, index, split)
         chunk = spec.build(
-            model, groups, stage, cp_method=p.cp_method, fp8=t.fp8,
+            model, groups, stage, cp_method=p.cp_method,
+            fp8=Fp8Recipe(scaling=t.fp8_recipe) if t.fp8 else False,
             tp_comm_overlap=p.tp_comm_overlap, **kwargs,
         )  # fmt: skip
         if isinstance(chunk, OverlappedStage):  # DualPipeV's pairs overlapped, or apart

@@ -183,6 +183,10 @@ class TrainConfig:
     mantissa products, fp32 sums); false keeps full fp32 products."""
     fp8: bool = False
     """Run the transformer layers' linear GEMMs in FP8 (needs bf16; GPT models only)."""
+    fp8_recipe: Literal["tensor", "row", "block"] = "tensor"
+    """FP8 scaling with ``train.fp8``: one scale per tensor, per row (torchao's rowwise), or
+    per 1x128 activation tile and 128x128 weight block (DeepSeek-V3; tp shards of the
+    layers' split dimensions must be multiples of 128)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     compile: bool = False

@@ -90,6 +90,11 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
     plan.spec.check_layout(model, plan.layout_request)  # the family's own checks
     check_compile_mode(config, model)  # train.compile_mode (CUDA graphs)
     precision = resolve_precision(t.precision)
+    if t.fp8_recipe != "tensor" and not t.fp8:
+        raise ValueError(
+            f"train.fp8_recipe ({t.fp8_recipe}) applies only with train.fp8 true; set "
+            "train.fp8 true or leave train.fp8_recipe at tensor"
+        )
     if t.fp8 and precision != "bf16":
         raise ValueError(
             f"train.fp8 needs train.precision bf16, not {t.precision}"

@@ -28,9 +28,11 @@ __all__ = ["GPT_SPEC"]
 
 
 def _build(
-    config: GPTConfig, groups: ProcessGroups, stage: StageSpec, *, fp8: bool = False, **options: Any
-) -> GPTModel:
-    return GPTModel(config, groups, stage=stage, fp8=Fp8Recipe() if fp8 else None, **options)
+    config: GPTConfig, groups: ProcessGroups, stage: StageSpec, *,
+    fp8: bool | Fp8Recipe = False, **options: Any,
+) -> GPTModel:  # fmt: skip
+    recipe = fp8 if isinstance(fp8, Fp8Recipe) else Fp8Recipe() if fp8 else None
+    return GPTModel(config, groups, stage=stage, fp8=recipe, **options)
 
 
 def _flops_per_token(config: GPTConfig, seq_len: int) -> float:

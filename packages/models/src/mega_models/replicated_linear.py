@@ -10,6 +10,7 @@ from torch.distributed import ProcessGroup
 from mega_parallel_grid import group_rank, group_size
 from mega_tp_layers import (
     Fp8Recipe,
+    Fp8Shard,
     InitMethod,
     ShardedModule,
     ShardSpec,
@@ -58,7 +59,8 @@ class ReplicatedLinear(ShardedModule):
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is None:
             return F.linear(x, self.weight)
-        shard = self.tp_group if self.sequence_parallel else None  # x and dy: sequence shards
+        # x and dy: sequence shards (split along the tokens)
+        shard = Fp8Shard(self.tp_group, 0) if self.sequence_parallel else None
         return fp8_linear(x, self.weight, recipe=self.fp8, x_group=shard, g_group=shard)
 
     def extra_repr(self) -> str:
