@@ -13,6 +13,9 @@ import pytest
 import torch
 import transformers  # the [hf] extra; installed in the dev environment
 
+from mega_parallel_grid.testing import DistPool
+from mega_pretrain.cli import main
+
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MEGA_PRETRAIN_CACHE": str(cwd / "cache"), "OMP_NUM_THREADS": "1"}
@@ -23,10 +26,14 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_convert_needs_both_ends(tmp_path: Path) -> None:
-    done = _run(["convert", "--from-hf", str(tmp_path)], tmp_path)
-    assert done.returncode == 2
-    assert "convert needs --from-hf DIR --to RUN_DIR" in done.stderr
+def _main_here(argv: list[str]) -> int:
+    """The command line in this process: a pool worker's world of one is the run's group."""
+    return main(argv)
+
+
+def test_convert_needs_both_ends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["convert", "--from-hf", str(tmp_path)]) == 2
+    assert "convert needs --from-hf DIR --to RUN_DIR" in capsys.readouterr().err
 
 
 # tiny configs with special-token ids other than transformers' defaults (bos 1, eos 2)
@@ -51,7 +58,11 @@ SIDE_FILES = {
 }
 
 
-def _import_export(family: str, tmp_path: Path) -> tuple[Path, Path]:
+def _import_export(
+    family: str, tmp_path: Path, dist_pool: DistPool | None = None
+) -> tuple[Path, Path]:
+    """The family's seeded tiny model saved by transformers, converted into a run and out again
+    (through a ``mega-pretrain`` process each way, or in a pool worker with ``dist_pool``)."""
     config_cls, model_cls, extra = FAMILIES[family]
     config = getattr(transformers, config_cls)(**SHAPES, **TOKENS, **extra)
     torch.manual_seed(0)
@@ -62,12 +73,14 @@ def _import_export(family: str, tmp_path: Path) -> tuple[Path, Path]:
     generation.save_pretrained(hf)
     for name, text in SIDE_FILES.items():
         (hf / name).write_text(text)
-    run = tmp_path / "runs" / family
-    done = _run(["convert", "--from-hf", str(hf), "--to", str(run)], tmp_path)
-    assert done.returncode == 0, done.stderr
-    out = tmp_path / "hf-out"
-    done = _run(["convert", "--to-hf", str(out), "--from", str(run)], tmp_path)
-    assert done.returncode == 0, done.stderr
+    run, out = tmp_path / "runs" / family, tmp_path / "hf-out"
+    for argv in (["convert", "--from-hf", str(hf), "--to", str(run)],
+                 ["convert", "--to-hf", str(out), "--from", str(run)]):  # fmt: skip
+        if dist_pool is not None:
+            assert dist_pool.run(_main_here, 1, args=(argv,)) == [0]
+        else:
+            done = _run(argv, tmp_path)
+            assert done.returncode == 0, done.stderr
     return hf, out
 
 
@@ -114,5 +127,8 @@ def test_llama_round_trip_and_training(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
-def test_whole_config_and_side_files_round_trip(tmp_path: Path, family: str) -> None:
-    _check_config_and_side_files(*_import_export(family, tmp_path))
+def test_whole_config_and_side_files_round_trip(
+    dist_pool: DistPool, tmp_path: Path, family: str
+) -> None:
+    """In a pool worker: the command line's own process is llama's test."""
+    _check_config_and_side_files(*_import_export(family, tmp_path, dist_pool))
