@@ -113,15 +113,13 @@ def test_emulated_gemms_equal_the_tile_by_tile_reference(scaling: str) -> None:
     assert not torch.equal(wgrad, fp8_linear_wgrad(dy, x, tensor))
 
 
-def _outlier_inputs() -> tuple[Tensor, Tensor, Tensor]:
+def _outlier_inputs() -> tuple[Tensor, Tensor]:
     """Tokens spread over 2^8 in magnitude, 4 of 384 channels x60, weights N(0, 0.02)."""
     g = torch.Generator().manual_seed(0)
     m, k, n = 256, 384, 256
     x = torch.randn(m, k, generator=g) * torch.exp2(torch.empty(m, 1).uniform_(-6, 2, generator=g))
     x[:, [3, 77, 200, 311]] *= 60
-    w = torch.randn(n, k, generator=g) * 0.02
-    dy = torch.randn(m, n, generator=g) * 1e-3
-    return x, w, dy
+    return x, torch.randn(n, k, generator=g) * 0.02
 
 
 def _rel(actual: Tensor, expected: Tensor) -> float:
@@ -136,22 +134,16 @@ def test_row_and_block_beat_tensor_wise_on_outliers() -> None:
     token (block, which also isolates the outlier channels) keeps them normal. Measured
     with this seed, forward: 0.039 (tensor), 0.031 (row), 0.029 (block), ratios 0.80 and
     0.74; the asserted 0.92 sits between them and 1, far above the sampling noise of a
-    relative error over 6.5e4 outputs (about 1%). The wgrad error (0.060, 0.058, 0.059) is
-    dominated by the e5m2 gradient's 2 mantissa bits, whose range the inputs do not
-    exhaust: asserted no worse than tensor-wise's."""
-    x, w, dy = _outlier_inputs()
-    errors: dict[str, dict[str, float]] = {}
-    for scaling in ("tensor", *RECIPES):
-        r = Fp8Recipe(emulate=True, scaling=scaling)  # type: ignore[arg-type]
-        errors[scaling] = {
-            "forward": _rel(fp8_linear_forward(x, w, r), x @ w.t()),
-            "wgrad": _rel(fp8_linear_wgrad(dy, x, r), dy.t() @ x),
-        }
-    tensor = errors["tensor"]
-    assert errors["row"]["forward"] < 0.92 * tensor["forward"], errors
-    assert errors["block"]["forward"] < 0.92 * tensor["forward"], errors
-    assert errors["row"]["wgrad"] < tensor["wgrad"], errors
-    assert errors["block"]["wgrad"] < tensor["wgrad"], errors
+    relative error over 6.5e4 outputs (about 1%). dgrad and wgrad are not asserted: their
+    error is dominated by the e5m2 gradient's 2 mantissa bits, whose range no recipe runs
+    short of (measured 0.058-0.060 for all three here; bench/fp8_recipes.py at full size)."""
+    x, w = _outlier_inputs()
+    errors = {
+        scaling: _rel(fp8_linear_forward(x, w, _recipe(scaling)), x @ w.t())
+        for scaling in ("tensor", *RECIPES)
+    }
+    assert errors["row"] < 0.92 * errors["tensor"], errors
+    assert errors["block"] < 0.92 * errors["tensor"], errors
 
 
 # ---- layers at tp 2 (+SP) against one process ---------------------------------------------
