@@ -25,7 +25,7 @@ MOE = {**moe.MIXTRAL, "num_layers": 4}  # one layer per virtual stage
 
 
 def test_dualpipev_with_the_overlap_off_trains_as_one_process(dist_pool: DistPool) -> None:
-    _check(dist_pool, {**DUALPIPEV, "dualpipev_overlap": False}, {}, 1)
+    _check(dist_pool, {**DUALPIPEV, "dualpipev_overlap": False}, {"num_layers": 4}, 1)
 
 
 @pytest.mark.parametrize(

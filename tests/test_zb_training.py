@@ -25,6 +25,8 @@ from mega_pretrain.config import load_config
 from mega_pretrain.plan import Plan
 from mega_pretrain.validate import check_config
 
+#: the layout suite's tiny GPT cut to 4 layers: one per virtual stage at pp 2 x vpp 2
+GPT: dict[str, object] = {"num_layers": 4}
 ZBV = {"pp": 2, "vpp": 2, "pp_schedule": "zbv"}
 DUALPIPEV = {"pp": 2, "vpp": 2, "pp_schedule": "dualpipev"}
 LAYOUTS = [
@@ -43,7 +45,7 @@ LAYOUTS = [
 def test_zb_h1_training_matches_single_process(
     dist_pool: DistPool, layout: dict[str, object], dp: int
 ) -> None:
-    _check(dist_pool, layout, {}, dp)
+    _check(dist_pool, layout, GPT, dp)
 
 
 @pytest.mark.parametrize("layout", [ZBV, DUALPIPEV], ids=["zbv", "dualpipev"])
@@ -63,7 +65,7 @@ def test_v_schedules_sum_the_end_chunks_embedding_grads(
 ) -> None:
     """The V puts the first and the last stage on pp rank 0: a tied embedding (or the one
     DeepSeek-V3's MTP depth reuses) has its two copies there, their gradients summed."""
-    _check(dist_pool, layout, model, 1)
+    _check(dist_pool, layout, {**GPT, **model}, 1)
 
 
 HYBRID = {"pattern": "M*-M*-M-"}  # the tiny GPT's sizes as a Mamba / attention / MLP hybrid
