@@ -1,7 +1,7 @@
 """Multi-token prediction trains through the trainer at every layout like one process.
 
 The GPT layout contract (tests/test_gpt_training_layouts.py, whose helpers run here) with
-``mtp_num_layers = 1``: its reference is the plain process's ``model(tokens, labels).mean()``,
+``mtp_num_layers = 1`` (4 layers): its reference is the plain process's ``model(tokens, labels).mean()``,
 whose backward carries the MTP term, so 3 AdamW steps of the layouts must give the same
 main losses, gradient norms (the MTP depth's and the shared embedding's gradients
 included) and full weights (``mtp.0.*`` among them). Under pp the depth runs on the last
@@ -38,7 +38,7 @@ from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from mega_pretrain.config import load_config
 from mega_pretrain.step import StepRunner
 
-MTP: dict[str, object] = {"mtp_num_layers": 1}
+MTP: dict[str, object] = {"mtp_num_layers": 1, "num_layers": 4}  # one layer per vpp stage
 #: the last layer MoE, so the depth's layer is MoE too (router losses off: the GPT contract's
 #: reference weighs only the language-model loss)
 MOE_MTP: dict[str, object] = {
