@@ -137,7 +137,8 @@ def quantize_tiles(
         if local % tile[sharded.dim]:
             raise ValueError(
                 f"block-wise fp8 scaling of {what} sharded along dim {sharded.dim} needs the "
-                f"shard ({local}) to be a multiple of {tile[sharded.dim]}; choose sizes that are"
+                f"shard ({local}) to be a multiple of {tile[sharded.dim]}; choose sizes whose tp "
+                "shards are multiples of it, or fp8 scaling 'row' or 'tensor'"
             )
     nr, nc = math.ceil(rows / tr), math.ceil(cols / tc)
     padded = F.pad(x32, (0, nc * tc - cols, 0, nr * tr - rows))  # zeros: no larger amax
