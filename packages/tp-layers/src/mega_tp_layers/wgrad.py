@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -41,7 +40,18 @@ __all__ = ["WeightGradStore", "current_weight_grad_store", "defer_weight_grads",
 #: computes (grad of each parameter or None) from what the backward saved
 WeightGradFn = Callable[[], tuple[Tensor | None, ...]]
 
-_CURRENT: ContextVar[WeightGradStore | None] = ContextVar("mega_weight_grad_store", default=None)
+
+class _Current:
+    """The innermost :func:`defer_weight_grads` store of this process (None outside one).
+
+    A plain attribute, not a ContextVar: Dynamo reads it under ``torch.compile`` with a guard,
+    where torch 2.11's Dynamo breaks the graph at ``ContextVar.get`` (once per linear). The
+    schedules that defer run their forwards on the main thread only."""
+
+    store: WeightGradStore | None = None
+
+
+_CURRENT = _Current()
 
 
 class WeightGradStore:
@@ -111,17 +121,17 @@ class _Accumulate(Function):
 @contextmanager
 def defer_weight_grads() -> Iterator[WeightGradStore]:
     """Forwards inside defer their split layers' weight gradients to the yielded store."""
-    store = WeightGradStore()
-    token = _CURRENT.set(store)
+    store, outer = WeightGradStore(), _CURRENT.store
+    _CURRENT.store = store
     try:
         yield store
     finally:
-        _CURRENT.reset(token)
+        _CURRENT.store = outer
 
 
 def current_weight_grad_store() -> WeightGradStore | None:
     """The store of the innermost :func:`defer_weight_grads`, when grad mode is on."""
-    return _CURRENT.get() if torch.is_grad_enabled() else None
+    return _CURRENT.store if torch.is_grad_enabled() else None
 
 
 def flat_wgrad(grad: Tensor, inp: Tensor, with_bias: bool) -> tuple[Tensor, Tensor | None]:
