@@ -290,3 +290,30 @@ def test_failures_surface_at_the_next_wait(dist_pool: DistPool) -> None:
             "forward, but optimizer_offload is False; pass optimizer_offload=True or leave "
             "overlap_host_update False"
         )
+
+
+class _BlockedStep:
+    """A shard update that runs only once the test lets it (no sleeps)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.bucket = object()
+        self.release, self.ran = release, False
+
+    def run(self) -> None:
+        assert self.release.wait(timeout=60), "the test never released the update"
+        self.ran = True
+
+
+def test_an_update_in_flight_at_exit_is_joined_first() -> None:
+    """The interpreter's exit waits for a running update: a daemon thread still inside
+    torch's CPU kernels when torch is torn down aborted the process on the GPU machine."""
+    from mega_zero_optim import host_update
+
+    release = threading.Event()
+    step = _BlockedStep(release)
+    update = host_update.HostUpdate(None)  # type: ignore[arg-type]  # begin needs no offloader
+    update.begin([step], [], number=1)  # type: ignore[list-item]
+    assert update._thread in host_update._RUNNING and not step.ran
+    release.set()
+    host_update._join_at_exit()  # what atexit runs
+    assert step.ran and not host_update._RUNNING

@@ -31,6 +31,7 @@ later wait.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,21 @@ class ShardStep:
             self.view.step()
         for m in self.masters:
             m.grad = None
+
+
+#: the workers still updating; joined at exit (see :func:`_join_at_exit`)
+_RUNNING: set[threading.Thread] = set()
+
+
+def _join_at_exit() -> None:
+    """Let a running update finish before the interpreter tears torch down: a daemon thread
+    still inside torch's multithreaded CPU kernel at exit aborts the process ("terminate
+    called without an active exception", seen on the GPU machine after a last ``step()``)."""
+    for thread in list(_RUNNING):
+        thread.join()
+
+
+atexit.register(_join_at_exit)
 
 
 class HostUpdate:
@@ -96,9 +112,10 @@ class HostUpdate:
         self._queued = {id(b) for b in requested}
         self._error = None
         self._step_number = number
-        # a daemon: a process that exits (or is killed) mid-update is not held by it; what
-        # must persist (a checkpoint) waits for the update first
+        # a daemon, joined at a normal exit (_join_at_exit); what must persist (a checkpoint)
+        # waits for the update first
         self._thread = threading.Thread(target=self._work, name="mega-host-update", daemon=True)
+        _RUNNING.add(self._thread)
         self._thread.start()
 
     def _work(self) -> None:
@@ -110,6 +127,7 @@ class HostUpdate:
                 self._error = (k, exc)
             finally:
                 self._done[k].set()
+        _RUNNING.discard(threading.current_thread())
 
     # shards ------------------------------------------------------------------------------
 
