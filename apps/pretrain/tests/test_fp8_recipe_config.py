@@ -47,3 +47,13 @@ def _scalings(recipe: str) -> set[str]:
 
 def test_build_passes_the_recipe_into_the_layers(dist_pool: DistPool) -> None:
     assert dist_pool.run(_scalings, 1, args=("row",)) == [{"row"}]
+
+
+@pytest.mark.parametrize("recipe", ["row", "block"])
+def test_compiled_row_and_block_recipes_are_refused(recipe: str) -> None:
+    config = load_config(None, [*FP8, ("train.fp8_recipe", recipe), ("train.compile", "true")])
+    with pytest.raises(ValueError, match=rf"train.fp8_recipe {recipe} is refused under "
+                       r"train.compile true: .* set train.compile false or train.fp8_recipe "
+                       r"tensor$") as info:  # fmt: skip
+        check_config(config, gpt_config(config), world_size=1)
+    assert "\n" not in str(info.value)

@@ -87,8 +87,11 @@ class Fp8Recipe:
 
     fwd_dtype: torch.dtype = torch.float8_e4m3fn
     """Format of inputs and weights (3 mantissa bits: relative rounding error <= 2^-4)."""
-    grad_dtype: torch.dtype = torch.float8_e5m2
-    """Format of output gradients (2 mantissa bits, wider range: relative error <= 2^-3)."""
+    grad_dtype: torch.dtype | None = None
+    """Format of output gradients; None: e5m2 (2 mantissa bits, wider range: relative error
+    <= 2^-3) for tensor- and row-wise scaling, e4m3 for block-wise (DeepSeek-V3's choice, whose
+    fine scales leave no need for e5m2's range; cuBLAS's block-scaled GEMM takes e4m3 only).
+    :attr:`grad_format` is the format in use."""
     eps: float = 1e-12
     """Floor on amax, so that an all-zero tensor gets a finite scale."""
     emulate: bool | None = None
@@ -107,13 +110,19 @@ class Fp8Recipe:
                 f"Fp8Recipe.scaling ({self.scaling!r}) is not one of {', '.join(SCALINGS)}; "
                 "pick one of those"
             )
-        for label, value in (("fwd_dtype", self.fwd_dtype), ("grad_dtype", self.grad_dtype)):
+        for label, value in (("fwd_dtype", self.fwd_dtype), ("grad_dtype", self.grad_format)):
             if value not in _FP8_DTYPES:
                 raise ValueError(
                     f"Fp8Recipe.{label} ({value}) is not an fp8 format; "
                     "use torch.float8_e4m3fn or torch.float8_e5m2"
                 )
-        if self.fwd_dtype == self.grad_dtype == torch.float8_e5m2:
+        if self.scaling == "block" and torch.float8_e5m2 in (self.fwd_dtype, self.grad_format):
+            raise ValueError(
+                "Fp8Recipe(scaling='block') quantises every operand in torch.float8_e4m3fn "
+                "(cuBLAS's block-scaled GEMM refuses e5m2: 'Invalid scaling configuration' on "
+                "the H200); leave fwd_dtype and grad_dtype at their defaults"
+            )
+        if self.fwd_dtype == self.grad_format == torch.float8_e5m2:
             raise ValueError(
                 "Fp8Recipe has fwd_dtype and grad_dtype both torch.float8_e5m2, which "
                 "torch._scaled_mm cannot multiply together; keep fwd_dtype=torch.float8_e4m3fn"
@@ -124,6 +133,13 @@ class Fp8Recipe:
             )
         if not (isinstance(self.eps, float | int) and math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"Fp8Recipe.eps ({self.eps!r}) must be a positive finite number")
+
+    @property
+    def grad_format(self) -> torch.dtype:
+        """The output gradients' fp8 format (``grad_dtype``, or the scaling's default)."""
+        if self.grad_dtype is not None:
+            return self.grad_dtype
+        return torch.float8_e4m3fn if self.scaling == "block" else torch.float8_e5m2
 
     def emulated_on(self, device: torch.device) -> bool:
         """Whether GEMMs on ``device`` are emulated (``emulate``, or auto: no sm89+ GPU)."""
@@ -262,7 +278,7 @@ def _as_grad(
 ) -> Fp8Tensor:
     if isinstance(grad2d, Fp8Tensor):
         return grad2d
-    return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps, group)
+    return fp8_quantize(grad2d, recipe.grad_format, recipe.eps, group)
 
 
 def _grad_values(grad2d: Tensor | Fp8Tensor) -> Tensor:
@@ -323,7 +339,7 @@ def fp8_linear_dgrad(
         warn_unaligned("dgrad", dims)
         return (_grad_values(grad2d).to(weight.dtype) @ weight).to(out_dtype)
     if recipe.scaling != "tensor":
-        gt = _tiles(_plain(grad2d, recipe), recipe.grad_dtype, recipe, 1, False, g_group,
+        gt = _tiles(_plain(grad2d, recipe), recipe.grad_format, recipe, 1, False, g_group,
                     "the output gradient")  # fmt: skip
         wt = _tiles(weight, recipe.fwd_dtype, recipe, 0, True, w_group, "the weight")
         return tiled_gemm(gt, wt, out_dtype, recipe, forward=False)
@@ -358,7 +374,7 @@ def fp8_linear_wgrad(
         x_hp = x2d.dequantize() if isinstance(x2d, Fp8Tensor) else x2d
         return (_grad_values(grad2d).to(x_hp.dtype).t() @ x_hp).to(out_dtype)
     if recipe.scaling != "tensor":  # both along the tokens: 128x1 tiles or per column
-        gt = _tiles(_plain(grad2d, recipe), recipe.grad_dtype, recipe, 0, False, g_group,
+        gt = _tiles(_plain(grad2d, recipe), recipe.grad_format, recipe, 0, False, g_group,
                     "the output gradient")  # fmt: skip
         xt = _tiles(_plain(x2d, recipe), recipe.fwd_dtype, recipe, 0, False, x_group, "the input")
         return tiled_gemm(gt.t(), xt, out_dtype, recipe, forward=False)
@@ -406,7 +422,7 @@ def shared_grad(
     if recipe.scaling != "tensor":
         return grad2d
     if fp8_gemm_fits(grad2d.shape[0], grad2d.shape[1], in_features):
-        return fp8_quantize(grad2d, recipe.grad_dtype, recipe.eps, _group(group))
+        return fp8_quantize(grad2d, recipe.grad_format, recipe.eps, _group(group))
     return grad2d
 
 

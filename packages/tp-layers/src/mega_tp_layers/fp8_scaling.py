@@ -198,16 +198,22 @@ def tiled_gemm(
 
 
 def _row_scaled_mm(a: Fp8Tiles, b: Fp8Tiles, out_dtype: torch.dtype, fast: bool) -> Tensor:
-    """``torch._scaled_mm`` with ``[M, 1]`` and ``[1, N]`` scales (never run on a GPU yet)."""
+    """``torch._scaled_mm`` with ``[M, 1]`` and ``[1, N]`` scales."""
     out: Tensor = torch._scaled_mm(
         a.data.contiguous(),
         b.data.t().contiguous().t(),  # column-major
-        scale_a=a.inv_scale.contiguous(),  # [M, 1]
-        scale_b=b.inv_scale.contiguous(),  # [1, N]
+        scale_a=_dense(a.inv_scale),  # [M, 1]
+        scale_b=_dense(b.inv_scale),  # [1, N]
         out_dtype=torch.bfloat16,  # row-wise scaling gives bf16 only
         use_fast_accum=fast,
     )
     return out.to(out_dtype)
+
+
+def _dense(scale: Tensor) -> Tensor:
+    """``scale`` with row-major strides: a transposed ``[M, 1]`` view counts as contiguous to
+    ``.contiguous()`` but carries stride ``(1, M)``, which ``_scaled_mm`` refuses on CPU."""
+    return scale.clone(memory_format=torch.contiguous_format)
 
 
 def _blockwise_available(k: int, device: torch.device) -> bool:
@@ -242,7 +248,10 @@ def _block_scale(t: Fp8Tiles, operand: str) -> tuple[Tensor, object]:
 
 
 def _block_scaled_mm(a: Fp8Tiles, b: Fp8Tiles, out_dtype: torch.dtype, fast: bool) -> Tensor:
-    """``F.scaled_mm`` with DeepSeek-style block scales (never run on a GPU yet)."""
+    """``F.scaled_mm`` with DeepSeek-style block scales."""
+    # cuBLAS has no fast accumulation with a 128x128-scaled operand (torch 2.11 refuses it:
+    # "scaled_gemm doesn't support fast accum with 128x128 blockwise scaling")
+    fast = fast and (BLOCK, BLOCK) not in (a.tile, b.tile)
     scale_a, recipe_a = _block_scale(a, "a")
     scale_b, recipe_b = _block_scale(b, "b")
     out: Tensor = F.scaled_mm(

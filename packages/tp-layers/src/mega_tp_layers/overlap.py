@@ -188,7 +188,7 @@ class _ChunkGemm:
         self.quantised = False
         self.a_dtype = torch.float8_e4m3fn
         if fp8 is not None:
-            self.a_dtype = fp8.fwd_dtype if kind == "forward" else fp8.grad_dtype
+            self.a_dtype = fp8.fwd_dtype if kind == "forward" else fp8.grad_format
             if kind == "forward":
                 dims = (rows, weight.shape[1], weight.shape[0])
             else:
