@@ -28,13 +28,16 @@ from mega_pretrain.runtime import collective_timeout, start_distributed
 from mega_pretrain.step import StepRunner
 
 
-def run(size: str, mb: int, seq: int, precision: str, fp8: bool, device: torch.device,
-        tokens: Tensor) -> tuple[float, dict[str, Tensor]]:  # fmt: skip
+def run(size: str, mb: int, seq: int, precision: str, fp8: str, device: torch.device,
+        tokens: Tensor, compile_: bool = False) -> tuple[float, dict[str, Tensor]]:  # fmt: skip
+    """One forward-backward; ``fp8``: "" (none) or the recipe's scaling."""
     overrides = [
         ("model.size", size), ("train.seq_len", str(seq)), ("train.micro_batch_size", str(mb)),
         ("train.global_batch_size", str(mb)), ("train.precision", precision),
-        ("train.fp8", str(fp8).lower()),
+        ("train.fp8", str(bool(fp8)).lower()), ("train.compile", str(compile_).lower()),
     ]  # fmt: skip
+    if fp8:
+        overrides.append(("train.fp8_recipe", fp8))
     config = load_config(None, overrides)
     model = gpt_config(config)
     groups = init_process_groups(parallel_config(config))
@@ -87,6 +90,10 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=2)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--recipes", default="tensor", help="fp8 scalings, comma-separated")
+    ap.add_argument(
+        "--compile", action="store_true", help="train.compile for the low-precision runs"
+    )
     a = ap.parse_args()
     if a.smoke:
         a.size, a.mb, a.seq = "tiny", 2, 64
@@ -98,8 +105,9 @@ def main() -> None:
     tokens = tokens.to(device)
     ref_loss, ref = run(a.size, a.mb, a.seq, "fp32", False, device, tokens)
     rows = []
-    for label, precision, fp8 in (("bf16", "bf16", False), ("bf16+fp8", "bf16", True)):
-        loss, grads = run(a.size, a.mb, a.seq, precision, fp8, device, tokens)
+    runs = [("bf16", "")] + [(f"fp8 {r}", r) for r in a.recipes.split(",")]
+    for label, fp8 in runs:
+        loss, grads = run(a.size, a.mb, a.seq, "bf16", fp8, device, tokens, a.compile)
         row = {"run": label, "loss": loss, "loss_rel_err": abs(loss - ref_loss) / ref_loss}
         row.update(compare(ref, grads))
         rows.append(row)

@@ -74,6 +74,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--gpt", default="1b", help="GPT size name (mega_models.MODEL_SIZES)")
     p.add_argument("--hybrid", default="hybrid-1b", help="hybrid size name (HYBRID_SIZES)")
     p.add_argument("--pattern", default=None, help="override the hybrid's layer pattern")
+    p.add_argument(
+        "--mixer-kernel",
+        default=None,
+        choices=["auto", "triton", "torch"],
+        help="override the hybrid's mixer_kernel (conv + SiLU, gated norm)",
+    )
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
@@ -98,6 +104,8 @@ def _bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
     config = spec.sizes[size]
     if name != "gpt" and args.pattern is not None:
         config = config.replace(pattern=args.pattern)
+    if name != "gpt" and args.mixer_kernel is not None:
+        config = config.replace(mixer_kernel=args.mixer_kernel)
     model = spec.model_class(config, solo_groups(), recompute=args.recompute, seed=1,
                              device=device, dtype=dtype)  # fmt: skip
     pattern = getattr(config, "pattern", f"*-  x{config.num_layers}")
