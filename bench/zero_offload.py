@@ -11,6 +11,9 @@ and ``torch.cuda.max_memory_allocated``.
 derived) by doubling from ``--hidden`` until a step runs out of memory, then bisect (in
 multiples of 256) to the widest that trains; one row per mode in the same table.
 
+The offload's host copy (18 bytes a parameter) is checked against the host's available memory
+before each size is built: a host out of memory kills the process instead of raising.
+
 From the repository root, on the GPU machine (not run by the author: no GPU there):
 
     export PYTHONPATH=$(ls -d packages/*/src apps/*/src | paste -sd:)
@@ -87,11 +90,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: host bytes per parameter under the offload: fp32 master, gradient, Adam's two moments,
+#: and the staging copy in the parameter dtype (bf16)
+_HOST_BYTES_PER_PARAM = 4 + 4 + 8 + 2
+
+
+def _host_available() -> int:
+    """Bytes the host can still give (MemAvailable), 0 where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _fits_host(config: GPTConfig, groups: ProcessGroups) -> bool:
+    """Whether the offload's host copy of ``config`` fits in 85 % of the available memory: a
+    host out of memory kills the process (no ``OutOfMemoryError`` to catch), so the search
+    treats such a size as not fitting before it builds it."""
+    meta = GPTModel(config, groups, device=torch.device("meta"), dtype=torch.bfloat16)
+    need = sum(p.numel() for p in meta.parameters()) * _HOST_BYTES_PER_PARAM
+    available = _host_available()
+    if available and need > 0.85 * available:
+        print(f"offload: hidden {config.hidden_size} needs {need / 2**30:.0f} GiB of host "
+              f"memory, {available / 2**30:.0f} GiB available: not tried")  # fmt: skip
+        return False
+    return True
+
+
 def _run(
     config: GPTConfig, offload: bool, args: argparse.Namespace, groups: ProcessGroups,
     device: torch.device,
 ) -> dict[str, Any] | None:  # fmt: skip
-    """One mode at one size: step time and peak memory, or None when it ran out of memory."""
+    """One mode at one size: step time and peak memory, or None when it ran out of memory
+    (the device's, or for the offload the host's, judged before building)."""
+    if offload and not _fits_host(config, groups):
+        return None
     model = ddp = opt = None
     try:
         if device.type == "cuda":
