@@ -102,7 +102,9 @@ class Fp8Recipe:
     The exact emulation accumulates in fp32 either way."""
     scaling: Literal["tensor", "row", "block"] = "tensor"
     """One scale per tensor; per row along each operand's non-contracted dimension; or per
-    1x128 tile of activations and gradients and 128x128 block of weights (``fp8_scaling``)."""
+    1x128 tile of activations and gradients and 128x128 block of weights (``fp8_scaling``).
+    Row/block under ``torch.compile`` trained wrongly on the H200 (torch 2.11, 2026-12-01;
+    eager was right), so the trainer refuses that pairing until the cause is found."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
