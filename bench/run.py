@@ -207,6 +207,22 @@ SUITES: dict[str, Suite] = {
         ("offload largest", 560, "python3 bench/zero_offload.py --find-largest --recompute full "
                                  "--warmup 1 --iters 2"),
     ],
+    # what the fifth session left owed on one GPU (bench/NOTES.md, "Device runs owed"), in the
+    # order of their worth: compiled row-wise FP8 localised, the block recipe's e4m3 GEMMs,
+    # the mixer conv's backward profiled, the offload's clean exit, then the largest models
+    "owed": [
+        ("fp8 grad check eager", 240, "python3 bench/fp8_grad_check.py --size 1b-bench --mb 2 "
+                                      "--recipes tensor,row,block"),
+        ("fp8 grad check compiled", 300, "python3 bench/fp8_grad_check.py --size 1b-bench --mb 2 "
+                                         "--recipes tensor,row --compile"),
+        ("fp8 recipes", 200, "python3 bench/fp8_recipes.py --time --steps 20"),
+        ("mixer profile", 200, "python3 bench/kernel_profile.py --steps-run 25 --label mixer -- "
+                               "bench/mixer_kernels.py --warmup 5 --iters 20"),
+        ("offload exit", 150, f"{_STEP} --size 1b-bench --mb 8 --steps 4 --warmup 2 "
+                              "--set parallel.optimizer_offload=true"),
+        ("offload largest", 560, "python3 bench/zero_offload.py --find-largest --recompute full "
+                                 "--warmup 1 --iters 2"),
+    ],
     # two GPUs (nvidia-h200-x2): data, tensor and pipeline parallel side by side
     "two-gpu": [
         ("dp 2", 240, f"{_TORCHRUN2} bench/mega_step.py --size 1b-bench --mb 8 --compile"),
