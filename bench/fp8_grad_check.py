@@ -3,8 +3,9 @@
     python3 bench/fp8_grad_check.py --size 1b-bench --mb 2        # one GPU
     python3 bench/fp8_grad_check.py --smoke                        # CPU, tiny, emulated fp8
 
-Builds the trainer's model three times from the same seed (fp32, bf16, bf16 + FP8 GEMMs),
-runs one forward-backward on the same random tokens and compares each low-precision run's
+Builds the trainer's model from the same seed in fp32, bf16, and bf16 + FP8 GEMMs for each
+scaling of ``--recipes`` (``--compile``: the low-precision runs compiled), runs one
+forward-backward on the same random tokens and compares each low-precision run's
 loss and gradient (the fp32 ``main_grad`` buffers) with the fp32 run's: relative loss error,
 cosine of the whole gradient, relative error of its norm, and the worst per-parameter cosine.
 FP8 is fine when its errors are of the order of bf16's, not when they are zero.

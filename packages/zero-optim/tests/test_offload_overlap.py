@@ -309,11 +309,19 @@ def test_an_update_in_flight_at_exit_is_joined_first() -> None:
     torch's CPU kernels when torch is torn down aborted the process on the GPU machine."""
     from mega_zero_optim import host_update
 
-    release = threading.Event()
+    release, joined = threading.Event(), threading.Event()
     step = _BlockedStep(release)
     update = host_update.HostUpdate(None)  # type: ignore[arg-type]  # begin needs no offloader
     update.begin([step], [], number=1)  # type: ignore[list-item]
     assert update._thread in host_update._RUNNING and not step.ran
+
+    def exit_() -> None:  # what atexit runs, on a thread of its own
+        host_update._join_at_exit()
+        joined.set()
+
+    threading.Thread(target=exit_, daemon=True).start()
+    # while the update is held, the exit must not get past the join (a join that returned
+    # at once would set the event well inside this bound)
+    assert not joined.wait(timeout=0.5), "the exit did not wait for the update"
     release.set()
-    host_update._join_at_exit()  # what atexit runs
-    assert step.ran and not host_update._RUNNING
+    assert joined.wait(timeout=60) and step.ran and not host_update._RUNNING

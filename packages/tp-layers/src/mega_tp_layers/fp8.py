@@ -527,8 +527,9 @@ def fp8_linear(
     high-precision sum of the output gradient. ``x_group`` / ``w_group`` / ``g_group``:
     the group that ``x``, ``weight`` or the output gradient is a shard of, so that each is
     scaled as the whole tensor (tensor parallelism then quantises as one process would);
-    row/block scaling needs them as :class:`Fp8Shard` (group, dim). With ``store`` (a :class:`~mega_tp_layers.WeightGradStore`) the weight and bias
-    gradients are left to its W pass.
+    row/block scaling needs them as :class:`Fp8Shard` (group, dim). With ``store`` (a
+    :class:`~mega_tp_layers.WeightGradStore`) the weight and bias gradients are left to its
+    W pass.
     """
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(

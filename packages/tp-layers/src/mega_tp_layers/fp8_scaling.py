@@ -33,9 +33,10 @@ quantising).
 On CUDA, row-wise GEMMs run ``torch._scaled_mm`` with ``[M, 1]`` / ``[1, N]`` fp32 scales
 (bf16 output); block-wise GEMMs run ``torch.nn.functional.scaled_mm`` with
 ``ScalingType.BlockWise1x128`` / ``BlockWise128x128`` where this torch has it (sm90, CUDA
-12.9+, K a multiple of 128), else the exact emulation on the GPU with one warning. Neither
-CUDA path has run on a GPU yet (written and reviewed on a CPU machine); CPU tests see the
-exact emulation: the same fp8 values widened to fp32, the same scales.
+12.9+, K a multiple of 128), else the exact emulation on the GPU with one warning. On the
+H200 (torch 2.11, 2026-12-01) eager row-wise trained like bf16, compiled row-wise did not
+(the trainer refuses it), and the block-wise forward ran; CPU tests see the exact emulation:
+the same fp8 values widened to fp32, the same scales.
 """
 
 from __future__ import annotations
@@ -211,9 +212,10 @@ def _row_scaled_mm(a: Fp8Tiles, b: Fp8Tiles, out_dtype: torch.dtype, fast: bool)
 
 
 def _dense(scale: Tensor) -> Tensor:
-    """``scale`` with row-major strides: a transposed ``[M, 1]`` view counts as contiguous to
-    ``.contiguous()`` but carries stride ``(1, M)``, which ``_scaled_mm`` refuses on CPU."""
-    return scale.clone(memory_format=torch.contiguous_format)
+    """``scale`` (``[M, 1]`` or ``[1, N]``, dense in memory) with row-major strides, as a
+    view: a transposed ``[M, 1]`` counts as contiguous to ``.contiguous()`` but carries
+    stride ``(1, M)``, which ``_scaled_mm`` refuses on CPU."""
+    return scale.reshape(-1).view(scale.shape)
 
 
 def _blockwise_available(k: int, device: torch.device) -> bool:
@@ -235,7 +237,8 @@ def _warn_emulated_blocks(version: str) -> None:
 
 def _block_scale(t: Fp8Tiles, operand: str) -> tuple[Tensor, object]:
     """The scale in the layout ``scaled_mm`` reads, and its ``ScalingType`` (from torch's
-    own samples: 1x128 scales outer-dim-major, 128x128 K-padded to 4; unverified on a GPU)."""
+    own samples: 1x128 scales outer-dim-major, 128x128 K-padded to 4; torch 2.11 on the H200
+    took these layouts for the forward and the dgrad, 2026-12-01)."""
     st = F.ScalingType
     s = t.inv_scale
     if operand == "a":  # [M, K] tiles (1, 128): scale [M, KB], M-major
