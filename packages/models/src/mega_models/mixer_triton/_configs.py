@@ -13,11 +13,14 @@ _CANDIDATES = {
     "conv_fwd": [({"BLOCK_S": 16, "BLOCK_C": 16}, 1), ({"BLOCK_S": 32, "BLOCK_C": 128}, 4),
                  ({"BLOCK_S": 64, "BLOCK_C": 64}, 4), ({"BLOCK_S": 16, "BLOCK_C": 256}, 4),
                  ({"BLOCK_S": 64, "BLOCK_C": 128}, 8)],
-    # its backward recomputes K shifted pre-activations per tile (K^2 loads live at once):
-    # 8 elements per thread; 16 reached ptxas -v's 255 registers for sm_90a (64x64 spilled)
-    "conv_bwd": [({"BLOCK_S": 16, "BLOCK_C": 16}, 1), ({"BLOCK_S": 16, "BLOCK_C": 64}, 4),
-                 ({"BLOCK_S": 8, "BLOCK_C": 128}, 4), ({"BLOCK_S": 16, "BLOCK_C": 128}, 8),
-                 ({"BLOCK_S": 32, "BLOCK_C": 64}, 8)],
+    # the backward's two passes: dpre with the weight sums (K tap tiles and K accumulators
+    # live), then dx from dpre (K tap tiles); the H200 chose 8x128 and 8x256 at 4 warps
+    "conv_dpre": [({"BLOCK_S": 16, "BLOCK_C": 16}, 1), ({"BLOCK_S": 8, "BLOCK_C": 128}, 4),
+                  ({"BLOCK_S": 16, "BLOCK_C": 64}, 4), ({"BLOCK_S": 16, "BLOCK_C": 128}, 8),
+                  ({"BLOCK_S": 4, "BLOCK_C": 256}, 4), ({"BLOCK_S": 32, "BLOCK_C": 64}, 8)],
+    "conv_dx": [({"BLOCK_S": 16, "BLOCK_C": 16}, 1), ({"BLOCK_S": 16, "BLOCK_C": 128}, 4),
+                ({"BLOCK_S": 32, "BLOCK_C": 128}, 8), ({"BLOCK_S": 8, "BLOCK_C": 256}, 4),
+                ({"BLOCK_S": 64, "BLOCK_C": 64}, 8)],
     # gated norm: R rows of one group per program (a row is the group's whole width)
     "norm_fwd": [({"BLOCK_R": 4}, 1), ({"BLOCK_R": 1}, 4), ({"BLOCK_R": 2}, 4),
                  ({"BLOCK_R": 4}, 8), ({"BLOCK_R": 8}, 8)],
