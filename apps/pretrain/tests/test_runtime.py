@@ -11,6 +11,7 @@ from mega_pretrain.build import param_dtype
 from mega_pretrain.config import load_config
 from mega_pretrain.runtime import (
     collective_timeout,
+    configure_attention_kernel,
     configure_tf32,
     intra_op_threads,
     precision_phrase,
@@ -93,3 +94,30 @@ def test_intra_op_threads_share_the_cores(
 def test_collective_timeout_is_the_setting() -> None:
     config = load_config(None, [("run.timeout_minutes", "2.5")])
     assert collective_timeout(config.run.timeout_minutes) == timedelta(seconds=150)
+
+
+def test_the_attention_kernel_goes_first_in_torchs_order() -> None:
+    from torch.nn.attention import SDPBackend
+
+    default = torch._C._get_sdp_priority_order()
+    try:  # the order is a process-wide setting of torch's, there on CPU builds too
+        assert configure_attention_kernel(torch.device("cpu"), "cudnn") == "auto"
+        assert torch._C._get_sdp_priority_order() == default  # CPU: left alone
+        assert configure_attention_kernel(torch.device("cuda"), "auto") == "auto"
+        assert torch._C._get_sdp_priority_order() == default
+        assert configure_attention_kernel(torch.device("cuda"), "cudnn") == "cudnn"
+        order = torch._C._get_sdp_priority_order()
+        assert order[0] == int(SDPBackend.CUDNN_ATTENTION)
+        assert sorted(order) == sorted(default)  # the others stay, in torch's order
+        assert [b for b in order if b != order[0]] == [b for b in default if b != order[0]]
+    finally:
+        torch._C._set_sdp_priority_order(default)
+
+
+def test_a_bad_attention_kernel_is_one_sentence() -> None:
+    with pytest.raises(ValueError, match=r"train.attention_kernel \('fa3'\) is not one of auto, "
+                                         r"flash, cudnn, efficient; pick one of those$"):  # fmt: skip
+        configure_attention_kernel(torch.device("cuda"), "fa3")
+    with pytest.raises(ValueError, match=r"attention_kernel") as info:
+        load_config(None, [("train.attention_kernel", "fa3")])
+    assert "\n" not in str(info.value)

@@ -17,6 +17,7 @@ from mega_pretrain.config import TrainerConfig
 
 __all__ = [
     "collective_timeout",
+    "configure_attention_kernel",
     "configure_tf32",
     "intra_op_threads",
     "pick_device",
@@ -123,6 +124,34 @@ def configure_tf32(device: torch.device, enabled: bool) -> bool:
     torch.backends.cudnn.allow_tf32 = enabled
     torch.set_float32_matmul_precision("high" if enabled else "highest")
     return enabled
+
+
+#: train.attention_kernel -> the SDPA backend tried first (torch's own order after it)
+_SDPA_FIRST = {
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+}
+
+
+def configure_attention_kernel(device: torch.device, kernel: str) -> str:
+    """On CUDA, put ``kernel``'s SDPA backend first in torch's priority order (``auto``:
+    torch's own order); the others stay enabled after it, for the shapes and masks it
+    cannot take. Set before the first forward, so that ``torch.compile`` traces the same
+    choice. Returns the kernel in use: ``kernel`` on CUDA, ``"auto"`` on CPU (one kernel)."""
+    if kernel != "auto" and kernel not in _SDPA_FIRST:
+        raise ValueError(
+            f"train.attention_kernel ({kernel!r}) is not one of auto, {', '.join(_SDPA_FIRST)}; "
+            "pick one of those"
+        )
+    if device.type != "cuda" or kernel == "auto":
+        return "auto"
+    from torch.nn.attention import SDPBackend
+
+    first = int(getattr(SDPBackend, _SDPA_FIRST[kernel]))
+    order = [first, *(b for b in torch._C._get_sdp_priority_order() if b != first)]
+    torch._C._set_sdp_priority_order(order)
+    return kernel
 
 
 def intra_op_threads(

@@ -49,6 +49,7 @@ from mega_pretrain.phase_timer import PhaseTimer, breakdown_text
 from mega_pretrain.progress import LiveProgress
 from mega_pretrain.runtime import (
     collective_timeout,
+    configure_attention_kernel,
     configure_tf32,
     pick_device,
     precision_phrase,
@@ -134,6 +135,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     started = start_distributed(device, timeout)
     groups = init_process_groups(plan.parallel, timeout=timeout)
     configure_tf32(device, config.train.tf32)
+    configure_attention_kernel(device, config.train.attention_kernel)
     threads = set_intra_op_threads()
     rank0 = dist.get_rank() == 0
     if console is None or not rank0:  # output goes to rank 0 only; one line per event
