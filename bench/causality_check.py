@@ -1,6 +1,7 @@
 """Does any family see the future on this device? Perturb the tokens after position p, compare.
 
     python3 bench/causality_check.py [--sizes deepseek-v3-3b,nemotron-h-1b] [--compile]
+    python3 bench/causality_check.py --sizes 1b-bench --compile --fp8 row   # FP8 GEMMs
 
 For each registry size: the model (bf16 on a GPU, fp32 on the CPU), a batch of random
 tokens and a copy whose tokens from position ``p = seq / 2`` on are redrawn. A causal model
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from mega_models import spec_for, stage_spec
 from mega_parallel_grid import ParallelConfig, init_process_groups
+from mega_tp_layers import Fp8Recipe
 
 DEFAULT = "1b-bench,deepseek-v3-3b,qwen3-1.7b,nemotron-h-1b,hybrid-1b,moe-2b"
 
@@ -29,6 +31,7 @@ def main() -> None:
     ap.add_argument("--sizes", default=DEFAULT)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--fp8", default="", help="FP8 GEMMs with this scaling (tensor, row, block)")
     a = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,8 +46,9 @@ def main() -> None:
     for size in a.sizes.split(","):
         spec = spec_for(size)
         config = spec.sizes[size]
+        options = {"fp8": Fp8Recipe(scaling=a.fp8)} if a.fp8 else {}
         model = spec.build(
-            config, groups, stage_spec(config.num_layers), device=device, dtype=dtype
+            config, groups, stage_spec(config.num_layers), device=device, dtype=dtype, **options
         ).eval()
         run = torch.compile(model) if a.compile else model
         gen = torch.Generator().manual_seed(0)

@@ -88,7 +88,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--only", choices=["gpt", "hybrid"], default=None, help="run one model only")
     p.add_argument("--compile", action="store_true", help="torch.compile both models")
     p.add_argument("--tf32", action="store_true", help="TF32 for fp32 matmuls (the SSD's)")
-    p.add_argument("--profile", action="store_true", help="print each model's top CUDA ops")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print each model's kernel time by kind and top kernels (one step)",
+    )
     args = p.parse_args()
     if args.smoke:
         args.gpt, args.hybrid, args.seq, args.batch = "tiny", "hybrid-tiny", 32, 2
@@ -159,12 +163,9 @@ def _bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        print(f"\n{label}: top CUDA ops of one step")
-        print(
-            prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
-            )
-        )
+        from kernel_profile import summary
+
+        print(summary(prof, 1, f"{label} (one step)"), flush=True)
     tokens_per_s = args.batch * args.seq / (step_ms * 1e-3)
     tflops = flops * tokens_per_s / 1e12
     row = Row(label, pattern, params / 1e6, args.seq, args.batch, str(dtype).removeprefix("torch."),

@@ -3,8 +3,10 @@
     python3 bench/kernel_profile.py --steps-run 8 --label mega -- bench/mega_step.py --mb 8 --compile --steps 5 --warmup 3
 
 Runs the script (``runpy``, with its own argv) under the profiler for its whole life,
-compile and warm-up included, so pass few steps: ``--steps-run`` (warm-up + timed steps)
-divides the totals. Prints one line per kind (GEMM, attention, Triton/fused, NCCL,
+compile and warm-up included (autotuning's timing runs too), so pass few steps:
+``--steps-run`` (warm-up + timed steps) divides the totals. For the steady state alone,
+``bench/mega_step.py --profile N`` profiles N steps after its timed ones, with
+:func:`summary`. Prints one line per kind (GEMM, attention, Triton/fused, NCCL,
 optimizer, copies/casts, other) and the 20 costliest kernels; writes them to
 ``$OUT/profile_<label>.txt``.
 """
@@ -39,6 +41,28 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def summary(prof: profile, steps: int, label: str, cuda: bool = True) -> str:
+    """Kernel time per step by kind, then the 20 costliest kernels, of ``steps`` steps."""
+    by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, tuple[float, int]] = {}
+    for e in prof.key_averages():
+        us = e.device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0 or e.key.startswith("ProfilerStep") or e.key.startswith("cuda"):
+            continue
+        by_kind[kind_of(e.key)] += us
+        by_name[e.key] = (us, e.count)
+    total = sum(by_kind.values())
+    lines = [f"== {label}: GPU kernel time per step {total / steps / 1e3:.1f} ms"]
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {kind:<10} {us / steps / 1e3:8.2f} ms  {us / total:6.1%}")
+    lines.append("  top kernels (ms/step, calls/step):")
+    for name, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]:
+        lines.append(
+            f"  {us / steps / 1e3:8.2f} {count / steps:7.1f}  {kind_of(name):<9} {name[:110]}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps-run", type=int, required=True)
@@ -55,23 +79,7 @@ def main() -> None:
             runpy.run_path(a.script, run_name="__main__")
         except SystemExit:
             pass
-    by_kind: dict[str, float] = defaultdict(float)
-    by_name: dict[str, tuple[float, int]] = {}
-    for e in prof.key_averages():
-        us = e.device_time_total if cuda else e.self_cpu_time_total
-        if us <= 0 or e.key.startswith("ProfilerStep") or e.key.startswith("cuda"):
-            continue
-        by_kind[kind_of(e.key)] += us
-        by_name[e.key] = (us, e.count)
-    n = a.steps_run
-    total = sum(by_kind.values())
-    lines = [f"== {a.label}: GPU kernel time per step {total / n / 1e3:.1f} ms"]
-    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {kind:<10} {us / n / 1e3:8.2f} ms  {us / total:6.1%}")
-    lines.append("  top kernels (ms/step, calls/step):")
-    for name, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]:
-        lines.append(f"  {us / n / 1e3:8.2f} {count / n:7.1f}  {kind_of(name):<9} {name[:110]}")
-    text = "\n".join(lines)
+    text = summary(prof, a.steps_run, a.label, cuda)
     if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 reports
         return
     print(text, flush=True)

@@ -28,7 +28,11 @@ from mega_parallel_grid import init_process_groups
 from mega_pretrain.build import build, param_dtype
 from mega_pretrain.config import load_config
 from mega_pretrain.plan import plan_for
-from mega_pretrain.runtime import collective_timeout, start_distributed
+from mega_pretrain.runtime import (
+    collective_timeout,
+    configure_attention_kernel,
+    start_distributed,
+)
 from mega_pretrain.step import StepRunner
 
 
@@ -49,6 +53,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="after the timed steps, N more under torch.profiler: kernel time per step by kind "
+        "(bench/kernel_profile.py's summary) printed and written to $OUT/profile_<size>.txt",
+    )  # fmt: skip
     ap.add_argument("--fp8", action="store_true", help="train.fp8 true (bf16 + FP8 GEMMs)")
     ap.add_argument("--precision", default="", help="train.precision (default: bf16 on GPU)")
     ap.add_argument(
@@ -93,6 +102,7 @@ def main() -> None:
     plan = plan_for(config, world)  # the model's family spec, dp and stage split
     model = plan.model
     groups = init_process_groups(plan.parallel)
+    configure_attention_kernel(device, config.train.attention_kernel)
     built = build(config, groups, device)
     runner = StepRunner(
         built, groups, seq_len=args.seq, micro_batch_size=args.mb, hidden_size=model.hidden_size,
@@ -125,6 +135,7 @@ def main() -> None:
             s = time.perf_counter()
             loss, _ = runner.train_step(batches, 3e-4)
             times.append(1e3 * (time.perf_counter() - s))
+    profiled = _profile(runner, batches, args.profile, args.size) if args.profile else ""
     med = statistics.median(times)
     tokens = plan.tokens_per_step
     flops = plan.flops_per_token()  # the family's count: hybrid sizes get their own
@@ -149,7 +160,28 @@ def main() -> None:
         if out:
             with open(os.path.join(out, "results.jsonl"), "a") as f:
                 f.write(line + "\n")
+        if profiled:
+            print(profiled, flush=True)
+            if out:
+                name = f"profile_{args.size}{'_fp8' if args.fp8 else ''}.txt"
+                with open(os.path.join(out, name), "w") as f:
+                    f.write(profiled + "\n")
     dist.destroy_process_group()
+
+
+def _profile(runner: StepRunner, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+             label: str) -> str:  # fmt: skip
+    """Kernel time per step by kind over ``steps`` steady-state steps."""
+    from kernel_profile import summary
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.train_step(batches, 3e-4)
+        if cuda:
+            torch.cuda.synchronize()
+    return summary(prof, steps, label, cuda)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,16 @@ def conv_triton(width: int, state: int) -> Fn:
     return conv
 
 
+def _best_configs() -> dict[str, str]:
+    """The autotuner's choice per conv kernel that ran (block sizes, warps)."""
+    from mega_models.mixer_triton import _conv_kernels, _norm_kernels
+
+    kernels = {n: getattr(_conv_kernels, n) for n in ("conv_fwd", "conv_bwd_dpre",
+                                                       "conv_bwd_dx")}  # fmt: skip
+    kernels |= {n: getattr(_norm_kernels, n) for n in dir(_norm_kernels) if n.startswith("norm_")}
+    return {n: str(getattr(k, "best_config", None)) for n, k in kernels.items()}
+
+
 def norm_torch(width: int, eps: float) -> Fn:
     def norm(y: Tensor, zxbcdt: Tensor, weight: Tensor) -> Tensor:
         z = zxbcdt[..., :width]
@@ -164,7 +174,8 @@ def main() -> int:
     inputs = _inputs(args, "cuda", torch.bfloat16)
     w, n, eps = args.heads * args.head_dim, args.state, 1e-5
     variants = {
-        "conv": {"triton": conv_triton(w, n), "torch eager": conv_torch(w, n),
+        "conv": {"triton": conv_triton(w, n),
+                 "torch eager": conv_torch(w, n),
                  "torch compiled": torch.compile(conv_torch(w, n))},
         "norm": {"triton": norm_triton(w, eps), "torch eager": norm_torch(w, eps),
                  "torch compiled": torch.compile(norm_torch(w, eps))},
@@ -188,6 +199,7 @@ def main() -> int:
         except Exception as err:
             errs[op] = f"failed: {type(err).__name__}: {str(err)[:300]}"
 
+    print("autotuned:", _best_configs())
     print(f"\nMamba mixer conv + SiLU and gated norm, b {args.batch} l {args.seq} groups "
           f"{args.groups} x {w} (+ 2 x {n} conv), bf16, {torch.cuda.get_device_name()}")  # fmt: skip
     print(f"| {'op':<22} | fwd ms | fwd+bwd ms | vs eager | peak GiB |")

@@ -207,21 +207,51 @@ SUITES: dict[str, Suite] = {
         ("offload largest", 560, "python3 bench/zero_offload.py --find-largest --recompute full "
                                  "--warmup 1 --iters 2"),
     ],
-    # what the fifth session left owed on one GPU (bench/NOTES.md, "Device runs owed"), in the
-    # order of their worth: compiled row-wise FP8 localised, the block recipe's e4m3 GEMMs,
-    # the mixer conv's backward profiled, the offload's clean exit, then the largest models
+    # what the sixth session left owed on one GPU (bench/NOTES.md, "Device runs owed"), in
+    # the order of their worth: deepseek-3b's MFU accumulating 4 micro-batches a step, where
+    # hybrid-1b's step goes, compiled row-wise FP8's first step against fp32, the block
+    # recipe's e4m3 GEMMs, the offload's clean exit, then the largest models
     "owed": [
-        ("fp8 grad check eager", 240, "python3 bench/fp8_grad_check.py --size 1b-bench --mb 2 "
-                                      "--recipes tensor,row,block"),
-        ("fp8 grad check compiled", 300, "python3 bench/fp8_grad_check.py --size 1b-bench --mb 2 "
-                                         "--recipes tensor,row --compile"),
+        ("profile deepseek-3b accum 4", 150, f"{_STEP} --size deepseek-3b --mb 4 --accum 4 "
+                                             "--compile --steps 4 --warmup 2 --profile 1"),
+        ("profile hybrid-1b", 150, "python3 bench/hybrid_vs_gpt.py --compile --only hybrid "
+                                   "--warmup 2 --iters 3 --profile"),
+        ("fp8 grad check compiled row", 300, "python3 bench/fp8_grad_check.py --size 1b-bench "
+                                             "--mb 2 --recipes row --compile"),
         ("fp8 recipes", 200, "python3 bench/fp8_recipes.py --time --steps 20"),
-        ("mixer profile", 200, "python3 bench/kernel_profile.py --steps-run 25 --label mixer -- "
-                               "bench/mixer_kernels.py --warmup 5 --iters 20"),
         ("offload exit", 150, f"{_STEP} --size 1b-bench --mb 8 --steps 4 --warmup 2 "
                               "--set parallel.optimizer_offload=true"),
         ("offload largest", 560, "python3 bench/zero_offload.py --find-largest --recompute full "
                                  "--warmup 1 --iters 2"),
+    ],
+    # the sixth session's first look: SDPA kernels alone, the mixer conv's backward profiled,
+    # compiled row-wise FP8's causality, cuDNN attention in the step, MoE's kernel profile
+    "probe": [
+        ("attn kernels", 200, "python3 bench/attn_kernels.py"),
+        ("mixer profile", 200, "python3 bench/kernel_profile.py --steps-run 25 --label mixer -- "
+                               "bench/mixer_kernels.py --warmup 5 --iters 20"),
+        ("causality fp8 row compiled", 200, "python3 bench/causality_check.py --sizes 1b-bench "
+                                            "--compile --fp8 row"),
+        ("mega compile cudnn", 180, f"{_STEP} --size 1b-bench --mb 8 --compile "
+                                    "--set train.attention_kernel=cudnn"),
+        ("mega compile", 180, f"{_STEP} --size 1b-bench --mb 8 --compile"),
+        ("profile moe-2b", 300, "python3 bench/kernel_profile.py --steps-run 8 --label moe-2b -- "
+                                f"{_STEP.split(' ', 1)[1]} --size moe-2b --mb 4 --compile "
+                                "--steps 5 --warmup 3"),
+    ],
+    # the sixth session's second look: the two-pass conv backward on the GPU (tests, kernels,
+    # the hybrid step), steady-state profiles of 1b-bench bf16 and FP8 and of moe-2b
+    # (accumulating 4 micro-batches a step), compiled row-wise FP8's first step against fp32
+    "probe2": [
+        ("mixer kernel tests", 300, "python3 -m pytest -q packages/models/tests/test_mixer_triton.py"),
+        ("mixer kernels", 200, "python3 bench/mixer_kernels.py"),
+        ("hybrid vs gpt", 400, "python3 bench/hybrid_vs_gpt.py --compile"),
+        ("profile 1b-bench", 200, f"{_STEP} --size 1b-bench --mb 8 --compile --profile 3"),
+        ("profile 1b-bench fp8", 200, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --profile 3"),
+        ("profile moe-2b accum 4", 240, f"{_STEP} --size moe-2b --mb 4 --accum 4 --compile "
+                                        "--steps 8 --warmup 3 --profile 2"),
+        ("fp8 grad check compiled row", 300, "python3 bench/fp8_grad_check.py --size 1b-bench "
+                                             "--mb 2 --recipes row --compile"),
     ],
     # two GPUs (nvidia-h200-x2): data, tensor and pipeline parallel side by side
     "two-gpu": [

@@ -2,12 +2,15 @@
 
     python3 bench/peers/torch_ref.py --mb 8 [--compile] [--precision amp|bf16]
     python3 bench/peers/torch_ref.py --smoke            # CPU, tiny shape: checks that it runs
+    python3 bench/peers/torch_ref.py --mb 8 --liger [--compile]  # + Liger Kernel, CUDA only
 
 A Llama-style decoder written the way a user would write it (RMSNorm, RoPE, causal SDPA,
 SwiGLU, untied head, mean cross-entropy), fused AdamW (lr 3e-4, weight decay 0.1),
 gradient clipping at 1.0, random tokens. ``--compile`` compiles each block and the head +
 loss. Precision ``amp``: fp32 parameters under bf16 autocast; ``bf16``: bf16 parameters
 with fp32 master weights and fused AdamW on the masters (Megatron's and mega's scheme).
+``--liger``: the same model with Liger Kernel's Triton RMSNorm, RoPE, SiLU-mul and fused
+linear cross-entropy (no logits materialised), system ``torch-liger`` (bench/peers/_liger.py).
 5 warm-up steps, then 20 timed with CUDA events; the median goes to $OUT/results.jsonl.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +27,16 @@ from _common import SHAPE, SMOKE, Shape, record, time_steps
 from torch import Tensor, nn
 
 
+def _norm(h: int, liger: ModuleType | None) -> nn.Module:
+    return nn.RMSNorm(h, eps=1e-5) if liger is None else liger.rms_norm(h, eps=1e-5)
+
+
 class Block(nn.Module):
-    def __init__(self, s: Shape) -> None:
+    def __init__(self, s: Shape, liger: ModuleType | None = None) -> None:
         super().__init__()
         h = s.hidden
-        self.heads = s.heads
-        self.norm1, self.norm2 = nn.RMSNorm(h, eps=1e-5), nn.RMSNorm(h, eps=1e-5)
+        self.heads, self.liger = s.heads, liger
+        self.norm1, self.norm2 = _norm(h, liger), _norm(h, liger)
         self.qkv = nn.Linear(h, 3 * h, bias=False)
         self.proj = nn.Linear(h, h, bias=False)
         self.gate_up = nn.Linear(h, 2 * s.ffn, bias=False)
@@ -37,9 +45,14 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [b, s, h]
         b, n, h = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, h // self.heads).unbind(2)
-        q, k = (_rope(t, cos, sin).transpose(1, 2) for t in (q, k))  # [b, heads, s, d]
+        if self.liger is None:
+            q, k = (_rope(t, cos, sin).transpose(1, 2) for t in (q, k))  # [b, heads, s, d]
+        else:
+            q, k = self.liger.rope(q, k, cos, sin)
         a = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, n, h))
+        if self.liger is not None:
+            return x + self.down(self.liger.swiglu(self.norm2(x), self.gate_up.weight))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -51,22 +64,26 @@ def _rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Head(nn.Module):
-    def __init__(self, s: Shape) -> None:
+    def __init__(self, s: Shape, liger: ModuleType | None = None) -> None:
         super().__init__()
-        self.norm = nn.RMSNorm(s.hidden, eps=1e-5)
+        self.liger = liger
+        self.norm = _norm(s.hidden, liger)
         self.out = nn.Linear(s.hidden, s.vocab, bias=False)
 
     def forward(self, x: Tensor, targets: Tensor) -> Tensor:
+        if self.liger is not None:
+            loss: Tensor = self.liger.linear_cross_entropy(self.out.weight, self.norm(x), targets)
+            return loss
         logits = self.out(self.norm(x)).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class Model(nn.Module):
-    def __init__(self, s: Shape) -> None:
+    def __init__(self, s: Shape, liger: ModuleType | None = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(s.vocab, s.hidden)
-        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
-        self.head = Head(s)
+        self.blocks = nn.ModuleList(Block(s, liger) for _ in range(s.layers))
+        self.head = Head(s, liger)
         d = s.hidden // s.heads
         freqs = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
         angles = torch.outer(torch.arange(s.seq).float(), freqs)[:, None, :]  # [s, 1, d/2]
@@ -92,6 +109,19 @@ def _masters(model: nn.Module) -> list[Tensor]:
     return [p.detach().float().requires_grad_(True) for p in model.parameters()]
 
 
+def _load_liger() -> ModuleType:
+    try:
+        import _liger
+    except ModuleNotFoundError as e:
+        if e.name != "liger_kernel":
+            raise
+        raise SystemExit(
+            "--liger needs the liger-kernel package; install it (the GPU machine: "
+            "pip install --no-index --target /tmp/site .whl/liger_kernel-*.whl)"
+        ) from e
+    return _liger
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=8)
@@ -100,13 +130,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 2 steps")
+    ap.add_argument("--liger", action="store_true", help="Liger Kernel's Triton kernels (CUDA)")
     args = ap.parse_args()
     shape, cuda = (SMOKE if args.smoke else SHAPE), torch.cuda.is_available() and not args.smoke
     if args.smoke:
         args.steps, args.warmup = 2, 1
     device = torch.device("cuda" if cuda else "cpu")
+    liger = _load_liger() if args.liger else None
     torch.manual_seed(0)
-    model = Model(shape).to(device)
+    model = Model(shape, liger).to(device)
     bf16 = args.precision == "bf16"
     masters: list[Tensor] = []
     if bf16:
@@ -149,7 +181,8 @@ def main() -> None:
         return loss.detach()
 
     times, loss = time_steps(step, args.warmup, args.steps)
-    result = {"system": "torch", "compile": args.compile, "precision": args.precision,
+    system = "torch-liger" if args.liger else "torch"
+    result = {"system": system, "compile": args.compile, "precision": args.precision,
               "mb": args.mb, "loss": float(loss)}  # fmt: skip
     record(result, times, args.mb * shape.seq, shape)
 
