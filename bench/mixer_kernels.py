@@ -127,6 +127,37 @@ def _errors(ref_fn: Fn, fn: Fn, inputs: list[Tensor]) -> dict[str, float]:
     }
 
 
+def _conv_backward_parts(
+    args: argparse.Namespace, zxbcdt: Tensor, weight: Tensor, bias: Tensor, dy: Tensor
+) -> dict[str, float]:
+    """Where the Triton conv's forward + backward time goes at this shape (ms, medians): the
+    backward op alone (contiguous dy), the contiguous copy of this bench's dy (which has
+    the torch path's channels-major strides), the slice's scatter into a zero in_proj
+    gradient, and that gradient's accumulation into the leaf's .grad (what autograd adds
+    around the op in ``measure``)."""
+    from ssd_kernels import _median_ms
+
+    from mega_models.mixer_triton._conv import conv_silu_backward
+
+    w, n = args.heads * args.head_dim, args.state
+    x = zxbcdt[..., w : 2 * w + 2 * n]
+    dense = dy.contiguous()
+    dx = conv_silu_backward(dense, x, weight, bias)[0]
+    full = torch.zeros_like(zxbcdt)
+
+    def scatter() -> None:
+        g = torch.zeros_like(zxbcdt)
+        g[..., w : 2 * w + 2 * n].copy_(dx)
+
+    parts = {
+        "backward op, contiguous dy": lambda: conv_silu_backward(dense, x, weight, bias),
+        "dy.contiguous() of this bench's dy": lambda: dy.contiguous(),
+        "slice scatter into in_proj's gradient": scatter,
+        "leaf .grad accumulation": lambda: full.add_(zxbcdt),
+    }
+    return {name: _median_ms(fn, args.warmup, args.iters) for name, fn in parts.items()}
+
+
 def _smoke(args: argparse.Namespace) -> int:
     """CPU, interpreter: each variant once forward + backward, errors against fp32 torch."""
     dtype = torch.float32
@@ -199,6 +230,13 @@ def main() -> int:
         except Exception as err:
             errs[op] = f"failed: {type(err).__name__}: {str(err)[:300]}"
 
+    try:
+        conv_dy = torch.randn_like(variants["conv"]["torch eager"](*inputs["conv"]))
+        print(f"dy contiguous: {conv_dy.is_contiguous()}, strides {conv_dy.stride()}")
+        for name, ms in _conv_backward_parts(args, *inputs["conv"], conv_dy).items():
+            print(f"conv triton part: {name}: {ms:.3f} ms")
+    except Exception as err:
+        print(f"conv triton parts failed: {type(err).__name__}: {str(err)[:300]}")
     print("autotuned:", _best_configs())
     print(f"\nMamba mixer conv + SiLU and gated norm, b {args.batch} l {args.seq} groups "
           f"{args.groups} x {w} (+ 2 x {n} conv), bf16, {torch.cuda.get_device_name()}")  # fmt: skip
