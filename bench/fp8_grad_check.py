@@ -17,6 +17,7 @@ import argparse
 import gc
 import json
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,21 @@ def compare(ref: dict[str, Tensor], got: dict[str, Tensor]) -> dict[str, float]:
     }
 
 
+def by_kind(ref: dict[str, Tensor], got: dict[str, Tensor]) -> dict[str, float]:
+    """The gradient cosine of each kind of parameter over every layer (the name without its
+    layer index, e.g. ``attention.qkv.weight``): a backward that stops at some linear's input
+    shows as a cosine near 0 for the weights below it."""
+    kinds: dict[str, list[str]] = {}
+    for name in ref:
+        kinds.setdefault(re.sub(r"(^|\.)\d+\.", r"\1", name), []).append(name)
+    cos = {}
+    for kind, names in sorted(kinds.items()):
+        a = torch.cat([ref[n].flatten() for n in names]).double()
+        b = torch.cat([got[n].flatten() for n in names]).double()
+        cos[kind] = float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(1e-300))
+    return cos
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="1b-bench")
@@ -111,6 +127,7 @@ def main() -> None:
         loss, grads = run(a.size, a.mb, a.seq, "bf16", fp8, device, tokens, a.compile)
         row = {"run": label, "loss": loss, "loss_rel_err": abs(loss - ref_loss) / ref_loss}
         row.update(compare(ref, grads))
+        row["cosine_by_kind"] = by_kind(ref, grads)  # type: ignore[assignment]
         rows.append(row)
         del grads
     print(f"fp32 loss {ref_loss:.6f}  ({a.size}, mb {a.mb}, seq {a.seq})")
@@ -120,6 +137,10 @@ def main() -> None:
         print(f"{r['run']:10} {r['loss']:10.6f} {r['loss_rel_err']:9.2e} {r['grad_cosine']:10.6f} "
               f"{r['grad_norm_rel_err']:8.2e} {r['grad_rel_err']:9.2e} "
               f"{r['worst_param_cosine']:9.5f}  {r['worst_param']}")  # fmt: skip
+    print("gradient cosine by kind of parameter (every layer's together):")
+    for kind in rows[0]["cosine_by_kind"]:  # type: ignore[attr-defined]
+        cells = "  ".join(f"{r['run']}: {r['cosine_by_kind'][kind]:.5f}" for r in rows)  # type: ignore[index]
+        print(f"  {kind:<40} {cells}")
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "fp8_grad_check.json"), "w") as f:
