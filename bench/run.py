@@ -64,6 +64,14 @@ SUITES: dict[str, Suite] = {
         ("torch bf16 compile", 180, f"{_TORCH} --mb 8 --compile --precision bf16"),
         ("torch eager", 150, f"{_TORCH} --mb 8"),
     ],
+    # plain PyTorch with Liger Kernel's Triton kernels (carry .whl with liger-kernel's wheel)
+    "liger": [
+        (f"torch liger {mode}", 180,
+         "python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "
+         ".whl/liger_kernel-*.whl && PYTHONPATH=/tmp/site:$PYTHONPATH "
+         f"{_TORCH} --mb 8 --liger{' --compile' if mode == 'compile' else ''}")
+        for mode in ("eager", "compile")
+    ],
     "peers": [
         ("mcore as shipped", 150, "python3 bench/peers/mcore.py --mb 4"),
         ("mcore sdpa fused", 150, "python3 bench/peers/mcore.py --mb 8 --sdpa --fused-adam"),
