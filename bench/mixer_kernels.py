@@ -16,7 +16,9 @@ Shape (``hybrid-1b``, one tp rank: b 4, l 2048, 8 groups, each 8 heads of 64 and
 in_proj's output ``[l, b, 8, 1288]`` in bf16, the conv over each group's ``x, B, C`` slice
 (768 channels, width 4, bias), the norm over 8 groups of 512 with ``z`` each group's first
 slice; every variant takes those slices from the same in_proj output, as the mixer does, so
-its backward includes the slices' scatter into the in_proj gradient. Timing and peak memory:
+its backward includes the slices' scatter into the in_proj gradient. The output gradient is
+contiguous, as the mixer's upstream gives it (until 2026-12-02 it had the torch conv's
+channels-major strides, which the Triton op copied first). Timing and peak memory:
 ``bench/ssd_kernels.py``'s (CUDA events, median of ``--iters`` after ``--warmup``; peak
 allocated during one forward + backward beyond what was allocated before). With $OUT set,
 the rows are also written to $OUT/mixer_kernels.json.
@@ -131,10 +133,10 @@ def _conv_backward_parts(
     args: argparse.Namespace, zxbcdt: Tensor, weight: Tensor, bias: Tensor, dy: Tensor
 ) -> dict[str, float]:
     """Where the Triton conv's forward + backward time goes at this shape (ms, medians): the
-    backward op alone (contiguous dy), the contiguous copy of this bench's dy (which has
-    the torch path's channels-major strides), the slice's scatter into a zero in_proj
-    gradient, and that gradient's accumulation into the leaf's .grad (what autograd adds
-    around the op in ``measure``)."""
+    backward op alone (contiguous dy), the contiguous copy of a channels-major ``dy`` (the
+    torch conv's output layout, which the timings before 2026-12-02 gave every variant),
+    the slice's scatter into a zero in_proj gradient, and that gradient's accumulation into
+    the leaf's .grad (what autograd adds around the op in ``measure``)."""
     from ssd_kernels import _median_ms
 
     from mega_models.mixer_triton._conv import conv_silu_backward
@@ -151,7 +153,7 @@ def _conv_backward_parts(
 
     parts = {
         "backward op, contiguous dy": lambda: conv_silu_backward(dense, x, weight, bias),
-        "dy.contiguous() of this bench's dy": lambda: dy.contiguous(),
+        "dy.contiguous() of a channels-major dy": lambda: dy.contiguous(),
         "slice scatter into in_proj's gradient": scatter,
         "leaf .grad accumulation": lambda: full.add_(zxbcdt),
     }
@@ -214,7 +216,11 @@ def main() -> int:
     rows: dict[str, dict[str, float] | str] = {}
     for op, fns in variants.items():
         with torch.no_grad():
-            dy = torch.randn_like(fns["torch eager"](*inputs[op]))
+            # contiguous, as the mixer's upstream gives it (the SSD's gradients of x, B, C
+            # concatenated); the torch conv's own output is channels-major instead
+            dy = torch.randn(
+                fns["torch eager"](*inputs[op]).shape, device="cuda", dtype=torch.bfloat16
+            )
         for name, fn in fns.items():
             label = f"{op} {name}"
             try:
@@ -232,7 +238,7 @@ def main() -> int:
 
     try:
         conv_dy = torch.randn_like(variants["conv"]["torch eager"](*inputs["conv"]))
-        print(f"dy contiguous: {conv_dy.is_contiguous()}, strides {conv_dy.stride()}")
+        print(f"channels-major dy (the torch conv's output layout): strides {conv_dy.stride()}")
         for name, ms in _conv_backward_parts(args, *inputs["conv"], conv_dy).items():
             print(f"conv triton part: {name}: {ms:.3f} ms")
     except Exception as err:
