@@ -217,8 +217,8 @@ SUITES: dict[str, Suite] = {
     ],
     # what the sixth session left owed on one GPU (bench/NOTES.md, "Device runs owed"), in
     # the order of their worth: deepseek-3b's MFU accumulating 4 micro-batches a step, where
-    # hybrid-1b's step and the conv's backward go, compiled row-wise FP8's first step against
-    # fp32, the block
+    # hybrid-1b's step and the conv's backward go, one compiled FP8 layer against eager and
+    # compiled row-wise FP8's first step against fp32, the block
     # recipe's e4m3 GEMMs, the offload's clean exit, then the largest models
     "owed": [
         ("profile deepseek-3b accum 4", 150, f"{_STEP} --size deepseek-3b --mb 4 --accum 4 "
@@ -226,6 +226,7 @@ SUITES: dict[str, Suite] = {
         ("profile hybrid-1b", 150, "python3 bench/hybrid_vs_gpt.py --compile --only hybrid "
                                    "--warmup 2 --iters 3 --profile"),
         ("mixer kernels", 200, "python3 bench/mixer_kernels.py"),
+        ("fp8 compile check", 200, "python3 bench/fp8_compile_check.py --scalings tensor,row,block"),
         ("fp8 grad check compiled row", 300, "python3 bench/fp8_grad_check.py --size 1b-bench "
                                              "--mb 2 --recipes row --compile"),
         ("fp8 recipes", 200, "python3 bench/fp8_recipes.py --time --steps 20"),
