@@ -143,7 +143,7 @@ def main() -> None:
     result = {
         "system": f"mega{'-compile' if args.compile else '-eager'}{'-fp8' if args.fp8 else ''}"
         + "".join(f" {item}" for item in args.set),
-        "size": args.size, "mb": args.mb,
+        "size": args.size, "mb": args.mb, "accum": args.accum,
         "tp": args.tp, "pp": args.pp, "pp_layers": args.pp_layers, "ep": args.ep, "dp": dp, "sp": args.sp, "world": world,
         "tp_comm_overlap": args.tp_comm_overlap,
         "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world, "step_ms_median": med,

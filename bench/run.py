@@ -64,6 +64,28 @@ SUITES: dict[str, Suite] = {
         ("torch bf16 compile", 180, f"{_TORCH} --mb 8 --compile --precision bf16"),
         ("torch eager", 150, f"{_TORCH} --mb 8"),
     ],
+    # issue 22's side-by-side in one call (~540 s; carry .whl with liger-kernel's wheel): the
+    # ceiling, mega compiled bf16 and FP8 beside the plain-PyTorch references and Liger, the
+    # hybrid beside GPT, the two MoE sizes accumulating 4 micro-batches a step
+    "target22": [
+        ("ceiling", 60, _CEILING),
+        ("mega compile", 150, f"{_STEP} --size 1b-bench --mb 8 --compile --steps 10 --warmup 3"),
+        ("mega compile fp8", 150, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --steps 10 "
+                                  "--warmup 3"),
+        ("torch compile", 150, f"{_TORCH} --mb 8 --compile --steps 10 --warmup 3"),
+        ("torch bf16 compile", 150, f"{_TORCH} --mb 8 --compile --precision bf16 --steps 10 "
+                                    "--warmup 3"),
+        ("torch liger eager", 150,
+         "python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "
+         ".whl/liger_kernel-*.whl && PYTHONPATH=/tmp/site:$PYTHONPATH "
+         f"{_TORCH} --mb 8 --liger --steps 10 --warmup 3"),
+        ("hybrid vs gpt", 300, "python3 bench/hybrid_vs_gpt.py --compile"),
+        *[
+            (f"{size} accum 4", 200, f"{_STEP} --size {size} --mb 4 --accum 4 --compile "
+                                     "--steps 6 --warmup 2")
+            for size in ("moe-2b", "deepseek-3b")
+        ],
+    ],
     # plain PyTorch with Liger Kernel's Triton kernels (carry .whl with liger-kernel's wheel)
     "liger": [
         (f"torch liger {mode}", 180,

@@ -31,6 +31,8 @@ def name(r: dict[str, Any]) -> str:
         mode += " bf16+fp32 master"
     if r.get("size", "1b-bench") != "1b-bench":
         mode += f" {r['size']}"
+    if int(r.get("accum", 1)) > 1:
+        mode += f" x{r['accum']} micro-batches"
     layout = "".join(f" {k}{r[k]}" for k in ("tp", "pp", "dp") if int(r.get(k, 1)) > 1)
     return f"{system} {mode}{layout}".strip()
 
