@@ -49,8 +49,11 @@ def conv_silu_backward(
     dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dx`` (contiguous, x's dtype), ``dweight``, ``dbias`` (their parameters' dtypes; the
-    weight's when there is no bias, and of no use then)."""
-    s, b = x.shape[:2]
+    weight's when there is no bias, and of no use then): ``dpre`` with the weight and bias
+    partial sums, then ``dx`` from ``dpre``."""
+    from mega_models.mixer_triton import _conv_kernels
+
+    s, b, _, cg = x.shape
     ch, k = weight.shape
     dy = dy.contiguous()
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
@@ -61,38 +64,26 @@ def conv_silu_backward(
     dw = alloc(b * n_parts, ch, k, device=x.device, dtype=acc_t)  # [rows, ch, k]
     db = alloc(b * n_parts, ch, device=x.device, dtype=acc_t)
     if dx.numel():
-        _two_pass(dy, x, weight, bias, dx, dw, db, part, n_parts, acc_t, acc)
+        dpre = torch.empty((s, b, ch), device=x.device, dtype=acc_t)
+        block_k = 1 << (k - 1).bit_length()
+
+        def parts(meta: dict[str, int]) -> tuple[int, int, int]:
+            return (cdiv(ch, meta["BLOCK_C"]), n_parts, b)
+
+        _conv_kernels.conv_bwd_dpre[parts](
+            x, weight, weight if bias is None else bias, dy, dpre, dw, db, s, cg, ch, part,
+            n_parts, *x.stride(), *dy.stride(), *weight.stride(), HAS_BIAS=bias is not None,
+            K=k, ACC=acc, BLOCK_K=block_k,
+        )  # fmt: skip
+
+        def tiles(meta: dict[str, int]) -> tuple[int, int, int]:
+            return (cdiv(ch, meta["BLOCK_C"]), cdiv(s, meta["BLOCK_S"]), b)
+
+        _conv_kernels.conv_bwd_dx[tiles](
+            dpre, weight, dx, s, cg, ch, *dx.stride(), *weight.stride(), K=k, ACC=acc,
+            BLOCK_K=block_k,
+        )  # fmt: skip
     return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(_bias_dtype(weight, bias))
-
-
-def _two_pass(
-    dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, dx: Tensor, dw: Tensor,
-    db: Tensor, part: int, n_parts: int, acc_t: torch.dtype, acc: Any,
-) -> None:  # fmt: skip
-    """``dpre`` with the weight and bias partial sums, then ``dx`` from ``dpre``."""
-    from mega_models.mixer_triton import _conv_kernels
-
-    s, b, _, cg = x.shape
-    ch, k = weight.shape
-    dpre = torch.empty((s, b, ch), device=x.device, dtype=acc_t)
-    block_k = 1 << (k - 1).bit_length()
-
-    def parts(meta: dict[str, int]) -> tuple[int, int, int]:
-        return (cdiv(ch, meta["BLOCK_C"]), n_parts, b)
-
-    _conv_kernels.conv_bwd_dpre[parts](
-        x, weight, weight if bias is None else bias, dy, dpre, dw, db, s, cg, ch, part,
-        n_parts, *x.stride(), *dy.stride(), *weight.stride(), HAS_BIAS=bias is not None,
-        K=k, ACC=acc, BLOCK_K=block_k,
-    )  # fmt: skip
-
-    def tiles(meta: dict[str, int]) -> tuple[int, int, int]:
-        return (cdiv(ch, meta["BLOCK_C"]), cdiv(s, meta["BLOCK_S"]), b)
-
-    _conv_kernels.conv_bwd_dx[tiles](
-        dpre, weight, dx, s, cg, ch, *dx.stride(), *weight.stride(), K=k, ACC=acc,
-        BLOCK_K=block_k,
-    )  # fmt: skip
 
 
 @conv_silu_backward.register_fake

@@ -143,7 +143,7 @@ def conv_bwd_dx(
     BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Per (channel block, position block, batch row): ``dx[t] = sum_j w[j] dpre[t + K-1-j]``
-    from ``dpre`` (``[s, b, ch]`` contiguous); ``dx`` in ``dy``'s layout."""
+    from ``dpre`` (``[s, b, ch]`` contiguous) into ``dx`` (``[s, b, g, c]``, its strides)."""
     ch = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = ch < CH
     bb = tl.program_id(2).to(tl.int64)
