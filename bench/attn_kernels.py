@@ -25,15 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mega_pretrain.runtime import configure_attention_kernel
+from mega_pretrain.runtime import configure_attention_kernel, sdpa_backend
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-             "efficient": "EFFICIENT_ATTENTION"}  # fmt: skip
 
 
 def _error(kernel: str, q: Tensor, k: Tensor, v: Tensor, dy: Tensor) -> dict[str, float]:
@@ -42,7 +38,7 @@ def _error(kernel: str, q: Tensor, k: Tensor, v: Tensor, dy: Tensor) -> dict[str
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    with sdpa_kernel(getattr(SDPBackend, _BACKENDS[kernel])):
+    with sdpa_kernel(sdpa_backend(kernel)):
         out = _sdpa(*ins)
         grads = torch.autograd.grad(out, ins, dy)
     ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]

@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--sizes", default=DEFAULT)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--fp8", default="", help="FP8 GEMMs with this scaling (tensor, row, block)")
+    ap.add_argument("--fp8", default="", choices=["", "tensor", "row", "block"],
+                    help="FP8 GEMMs with this scaling")  # fmt: skip
     a = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

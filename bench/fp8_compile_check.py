@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
+from _world import init_world
 from torch import Tensor
 
 from mega_models import spec_for, stage_spec
@@ -72,14 +72,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.smoke:
         a.size, a.mb, a.seq = "tiny", 2, 64
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cuda = torch.cuda.is_available() and not a.smoke
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = init_world(a.smoke)
+    cuda = device.type == "cuda"
     groups = init_process_groups(ParallelConfig())
-    device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     spec = spec_for(a.size)
     config = spec.sizes[a.size]

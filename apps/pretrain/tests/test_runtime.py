@@ -16,6 +16,7 @@ from mega_pretrain.runtime import (
     intra_op_threads,
     precision_phrase,
     resolve_precision,
+    sdpa_backend,
     with_precision,
 )
 
@@ -107,7 +108,7 @@ def test_the_attention_kernel_goes_first_in_torchs_order() -> None:
         assert torch._C._get_sdp_priority_order() == default
         assert configure_attention_kernel(torch.device("cuda"), "cudnn") == "cudnn"
         order = torch._C._get_sdp_priority_order()
-        assert order[0] == int(SDPBackend.CUDNN_ATTENTION)
+        assert order[0] == int(SDPBackend.CUDNN_ATTENTION) == int(sdpa_backend("cudnn"))
         assert sorted(order) == sorted(default)  # the others stay, in torch's order
         assert [b for b in order if b != order[0]] == [b for b in default if b != order[0]]
     finally:
@@ -118,6 +119,8 @@ def test_a_bad_attention_kernel_is_one_sentence() -> None:
     with pytest.raises(ValueError, match=r"train.attention_kernel \('fa3'\) is not one of auto, "
                                          r"flash, cudnn, efficient; pick one of those$"):  # fmt: skip
         configure_attention_kernel(torch.device("cuda"), "fa3")
+    with pytest.raises(ValueError, match=r"\('auto'\) is not one of"):
+        sdpa_backend("auto")  # auto names no backend
     with pytest.raises(ValueError, match=r"attention_kernel") as info:
         load_config(None, [("train.attention_kernel", "fa3")])
     assert "\n" not in str(info.value)

@@ -23,6 +23,7 @@ __all__ = [
     "pick_device",
     "precision_phrase",
     "resolve_precision",
+    "sdpa_backend",
     "set_intra_op_threads",
     "start_distributed",
     "with_precision",
@@ -134,21 +135,29 @@ _SDPA_FIRST = {
 }
 
 
+def sdpa_backend(kernel: str) -> torch.nn.attention.SDPBackend:
+    """The SDPA backend a ``train.attention_kernel`` other than ``auto`` names."""
+    from torch.nn.attention import SDPBackend
+
+    if kernel not in _SDPA_FIRST:
+        raise ValueError(
+            f"train.attention_kernel ({kernel!r}) is not one of auto, {', '.join(_SDPA_FIRST)}; "
+            "pick one of those"
+        )
+    backend: SDPBackend = getattr(SDPBackend, _SDPA_FIRST[kernel])
+    return backend
+
+
 def configure_attention_kernel(device: torch.device, kernel: str) -> str:
     """On CUDA, put ``kernel``'s SDPA backend first in torch's priority order (``auto``:
     torch's own order); the others stay enabled after it, for the shapes and masks it
     cannot take. Set before the first forward, so that ``torch.compile`` traces the same
     choice. Returns the kernel in use: ``kernel`` on CUDA, ``"auto"`` on CPU (one kernel)."""
-    if kernel != "auto" and kernel not in _SDPA_FIRST:
-        raise ValueError(
-            f"train.attention_kernel ({kernel!r}) is not one of auto, {', '.join(_SDPA_FIRST)}; "
-            "pick one of those"
-        )
-    if device.type != "cuda" or kernel == "auto":
+    if kernel == "auto":
         return "auto"
-    from torch.nn.attention import SDPBackend
-
-    first = int(getattr(SDPBackend, _SDPA_FIRST[kernel]))
+    first = sdpa_backend(kernel).value  # a bad name is one sentence on any device
+    if device.type != "cuda":
+        return "auto"
     order = [first, *(b for b in torch._C._get_sdp_priority_order() if b != first)]
     torch._C._set_sdp_priority_order(order)
     return kernel
