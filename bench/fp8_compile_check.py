@@ -47,6 +47,13 @@ def _compare(a: Tensor | None, b: Tensor | None) -> dict[str, float]:
     }
 
 
+def _recipe(spec: str) -> Fp8Recipe:
+    """``tensor``, ``row``, ``block``, each optionally ``:e4m3`` / ``:e5m2`` (gradients' format)."""
+    scaling, _, grad = spec.partition(":")
+    formats = {"": None, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    return Fp8Recipe(scaling=scaling, grad_dtype=formats[grad])  # type: ignore[arg-type]
+
+
 def _run(
     layer: torch.nn.Module, x: Tensor, rope: object, seq: int, dy: Tensor
 ) -> dict[str, Tensor | None]:
@@ -67,7 +74,11 @@ def main() -> None:
     ap.add_argument("--layer", default="1", help="which layer of the model to build and check")
     ap.add_argument("--mb", type=int, default=2)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--scalings", default="tensor,row", help="fp8 scalings, comma-separated")
+    ap.add_argument(
+        "--scalings", default="tensor,row",
+        help="fp8 scalings, comma-separated; SCALING:e4m3 or SCALING:e5m2 sets the gradients' "
+             "format (row:e4m3, say)",
+    )  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, emulated fp8")
     a = ap.parse_args()
     if a.smoke:
@@ -88,7 +99,7 @@ def main() -> None:
         try:
             model = spec.build(
                 config, groups, stage_spec(config.num_layers), device=device, dtype=dtype,
-                fp8=Fp8Recipe(scaling=scaling),  # type: ignore[arg-type]
+                fp8=_recipe(scaling),
             )  # fmt: skip
             layer = model.layers[a.layer]
             eager = _run(layer, x, rope, a.seq, dy)

@@ -257,6 +257,45 @@ SUITES: dict[str, Suite] = {
         ("offload largest", 560, "python3 bench/zero_offload.py --find-largest --recompute full "
                                  "--warmup 1 --iters 2"),
     ],
+    # the seventh session's first look: deepseek-3b accumulating 4 micro-batches (target 3's
+    # second model), where hybrid-1b's step goes by kind, one compiled FP8 layer against eager
+    # per gradient (which GEMM compiled row-wise gets wrong), the conv backward's parts
+    "probe7": [
+        ("profile deepseek-3b accum 4", 150, f"{_STEP} --size deepseek-3b --mb 4 --accum 4 "
+                                             "--compile --steps 4 --warmup 2 --profile 1"),
+        ("profile hybrid-1b", 150, "python3 bench/hybrid_vs_gpt.py --compile --only hybrid "
+                                   "--warmup 2 --iters 3 --profile"),
+        ("fp8 compile check", 150, "python3 bench/fp8_compile_check.py --scalings tensor,row,block"),
+        ("mixer kernels", 150, "python3 bench/mixer_kernels.py"),
+    ],
+    # the seventh session's second look: the new kernels on the GPU (the SSD scan's scores
+    # computed once per group, the Triton main-grad accumulation), which piece of compiled
+    # row-wise FP8 goes wrong and whether the opaque GEMM op mends it, the hybrid beside GPT,
+    # deepseek-3b accumulating 4 micro-batches with the accumulation kernel
+    "probe7b": [
+        ("gpu kernel tests", 150, "python3 -m pytest -q -p no:cacheprovider "
+                                  "packages/models/tests/test_ssd_triton.py "
+                                  "packages/zero-optim/tests/test_accumulate.py"),
+        ("fp8 row probe", 120, "python3 bench/fp8_row_probe.py"),
+        ("hybrid vs gpt", 220, "python3 bench/hybrid_vs_gpt.py --compile"),
+        ("profile deepseek-3b accum 4", 130, f"{_STEP} --size deepseek-3b --mb 4 --accum 4 "
+                                             "--compile --steps 4 --warmup 2 --profile 1"),
+        ("fp8 compile check", 100, "python3 bench/fp8_compile_check.py --scalings row,row:e4m3"),
+        ("ssd kernels", 60, "python3 bench/ssd_kernels.py"),
+    ],
+    # the seventh session's last call (on the H200): the hybrid with the SSD scan before
+    # (.snap/ssd_old: HEAD's packages/models/src) and after the scores change, beside GPT;
+    # 1b-bench compiled bf16 against FP8 tensor- and block-wise
+    "probe7c": [
+        ("hybrid old ssd", 150, "PYTHONPATH=.snap/ssd_old/packages/models/src:$PYTHONPATH "
+                                "python3 bench/hybrid_vs_gpt.py --compile --only hybrid"),
+        ("hybrid vs gpt", 220, "python3 bench/hybrid_vs_gpt.py --compile"),
+        ("mega compile", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --steps 10 --warmup 3"),
+        ("mega compile fp8", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --steps 10 "
+                                  "--warmup 3"),
+        ("mega compile fp8 block", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 "
+                                        "--set train.fp8_recipe=block --steps 10 --warmup 3"),
+    ],
     # the sixth session's first look: SDPA kernels alone, the mixer conv's backward profiled,
     # compiled row-wise FP8's causality, cuDNN attention in the step, MoE's kernel profile
     "probe": [

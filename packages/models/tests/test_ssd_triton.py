@@ -101,6 +101,11 @@ CASES: dict[str, Callable[[], None]] = {
     "fp64, chunk 5 (not a power of two), a head per group": lambda: _check_against_sequential(
         (13, 1, 3, 4, 3, 8), 5, True, torch.float64
     ),
+    # several blocks per chunk (the interpreter's are 16 steps) and four heads per group: the
+    # causal blocks of the group's scores, the heads summed inside each block
+    "fp64, chunk 40 over three blocks, 4 heads per group": lambda: _check_against_sequential(
+        (50, 2, 8, 8, 2, 16), 40, True, torch.float64
+    ),
     # fp32 inputs (accumulated in fp32) within fp32's bound of the fp64 recurrence
     "fp32 against the fp64 recurrence": lambda: _check_against_sequential(
         (20, 1, 2, 8, 1, 16), 8, True, torch.float32

@@ -193,8 +193,9 @@ class TrainConfig:
     fp8_recipe: Literal["tensor", "row", "block"] = "tensor"
     """FP8 scaling with ``train.fp8``: one scale per tensor, per row (torchao's rowwise), or
     per 1x128 activation tile and 128x128 weight block (DeepSeek-V3; tp shards of the
-    layers' split dimensions must be multiples of 128). Row and block run eager only:
-    ``train.compile`` refuses them (compiled row-wise trained wrongly on the H200)."""
+    layers' split dimensions must be multiples of 128). Tensor and block run eager or
+    compiled (on the H200 compiled block-wise matched eager gradient for gradient); row runs
+    eager only: ``train.compile`` refuses it (its compiled backward gave zero gradients)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     compile: bool = False

@@ -103,8 +103,9 @@ class Fp8Recipe:
     scaling: Literal["tensor", "row", "block"] = "tensor"
     """One scale per tensor; per row along each operand's non-contracted dimension; or per
     1x128 tile of activations and gradients and 128x128 block of weights (``fp8_scaling``).
-    Row/block under ``torch.compile`` trained wrongly on the H200 (torch 2.11, 2026-12-01;
-    eager was right), so the trainer refuses that pairing until the cause is found."""
+    Under ``torch.compile`` on the GPU (torch 2.11, 2026-12-05) block-wise gave eager's
+    gradients; row-wise gave zero input and weight gradients although its quantisation and
+    GEMMs compiled alone were right (``bench/fp8_row_probe.py``), so the trainer refuses it."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:

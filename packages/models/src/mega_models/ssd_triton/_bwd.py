@@ -13,6 +13,10 @@ gradient, ``dH_c`` the gradient of the state entering chunk ``c`` in total).
 * ``dx_bwd``        ``dx``, ``ddt``, and per chunk the partial sums of ``dA`` and ``dD``
 * ``db_bwd``        ``dB`` per group
 
+The group's scores ``C_i . B_j`` come from the forward (``chunk_scores_fwd``), not redone per
+head; ``dc_bwd`` and ``db_bwd`` sum the heads' ``[i, j]`` weights (in ``ACC``) before their one
+product with the group's ``B_j`` or ``C_i`` per block of steps.
+
 The gradient of ``s_k`` is ``dy_k . (y_k - D x_k) - dt_k x_k . u_k`` (plus ``<H_{c+1},
 dH_{c+1}>`` at the chunk's last step), with ``u_k`` what ``dx_k / dt_k`` collects; ``a``'s is
 its reverse running sum over the chunk, which gives ``ddt += A da`` and ``dA = sum dt da``.
@@ -22,7 +26,7 @@ import triton
 import triton.language as tl
 
 from mega_models.ssd_triton._configs import configs
-from mega_models.ssd_triton._tiles import causal_decay, load_tile, store_tile
+from mega_models.ssd_triton._tiles import causal_decay, load_scores, load_tile, store_tile
 
 
 @triton.autotune(configs=configs("state"), key=["Q", "P", "N"])
@@ -90,7 +94,7 @@ def state_pass_bwd(
 @triton.autotune(configs=configs("dbc"), key=["Q", "P", "N", "R"])
 @triton.jit
 def dc_bwd(
-    x_ptr, dt_ptr, B_ptr, C_ptr, dy_ptr, states_ptr, cum_ptr, dC_ptr, rows_ptr,
+    x_ptr, dt_ptr, B_ptr, C_ptr, dy_ptr, states_ptr, cum_ptr, scores_ptr, dC_ptr, rows_ptr,
     L, H, R, Q, P, N, n_chunks,
     sx_l, sx_b, sx_h, sx_p,
     sdt_l, sdt_b, sdt_h,
@@ -99,10 +103,11 @@ def dc_bwd(
     sy_l, sy_b, sy_h, sy_p,
     sdC_l, sdC_b, sdC_g, sdC_n,
     ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """Per (block of steps i, group, chunk * batch), over the group's heads:
-    ``dC_i = sum_h [exp(s_i) dy_i H_c + sum_{j<=i} exp(s_i - s_j) dt_j (dy_i . x_j) B_j]``;
+    """Per (block of steps i, group, chunk * batch):
+    ``dC_i = sum_h exp(s_i) dy_i H_c + sum_{j<=i} [sum_h exp(s_i - s_j) dt_j (dy_i . x_j)] B_j``
+    (the heads' weights summed before the one product with ``B_j``, per block of steps j);
     per head ``rows[b, h, i] = dy_i . (y_i - D x_i)``."""
     c = tl.program_id(2) % n_chunks
     bb = (tl.program_id(2) // n_chunks).to(tl.int64)
@@ -110,14 +115,17 @@ def dc_bwd(
     rp = tl.arange(0, BLOCK_P)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_R)
     li = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ti = c * Q + li
     vi = (li < Q) & (ti < L)
     C_base = C_ptr + bb * sC_b + g * sC_g
     B_base = B_ptr + bb * sB_b + g * sB_g
-    Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
-    end = tl.minimum((tl.program_id(0) + 1) * BLOCK_M, Q)
+    scores_base = scores_ptr + ((bb * n_chunks + c) * (H // R) + g) * Q * Q
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    rows = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)  # a column per head of the group
+    # the entering states' part, head by head
+    Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
     for r in range(0, R):
         hh = g * R + r
         cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
@@ -131,39 +139,50 @@ def dc_bwd(
         )  # [M, N]
         acc += entering
         row = tl.sum(entering * Ci.to(ACC), 1)  # dy_i . (exp(s_i) H_c C_i)
-        x_base = x_ptr + bb * sx_b + hh * sx_h
-        dt_base = dt_ptr + bb * sdt_b + hh * sdt_h
-        for k in range(0, end, BLOCK_K):
-            lj = k + rk
-            tj = c * Q + lj
-            vj = (lj < Q) & (tj < L)
-            xj = load_tile(x_base, tj, sx_l, vj, rp, sx_p, P)
-            Bj = load_tile(B_base, tj, sB_l, vj, rn, sB_n, N)
+        rows += tl.where(rr[None, :] == r, row[:, None], 0.0)
+    # the intra-chunk part: blocks of steps j outside, the group's heads inside
+    end = tl.minimum((tl.program_id(0) + 1) * BLOCK_M, Q)
+    for k in range(0, end, BLOCK_K):
+        lj = k + rk
+        tj = c * Q + lj
+        vj = (lj < Q) & (tj < L)
+        scores = load_scores(scores_base, li, lj, Q, True)  # [M, K]: C_i . B_j
+        weights = tl.zeros((BLOCK_M, BLOCK_K), dtype=ACC)
+        for r in range(0, R):
+            hh = g * R + r
+            cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
+            s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
             s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
-            dt_j = tl.load(dt_base + tj * sdt_l, mask=vj, other=0.0).to(ACC)
+            dt_j = tl.load(dt_ptr + bb * sdt_b + hh * sdt_h + tj * sdt_l, mask=vj,
+                           other=0.0).to(ACC)  # fmt: skip
+            dyi = load_tile(dy_ptr + bb * sy_b + hh * sy_h, ti, sy_l, vi, rp, sy_p, P)
+            xj = load_tile(x_ptr + bb * sx_b + hh * sx_h, tj, sx_l, vj, rp, sx_p, P)
             decay = causal_decay(s_i, li, s_j, lj, True)
             w = (
                 tl.dot(dyi, tl.trans(xj), out_dtype=ACC, input_precision=PREC)
                 * decay
                 * dt_j[None, :]
             )  # [M, K]
-            acc = tl.dot(w.to(Bj.dtype), Bj, acc, out_dtype=ACC, input_precision=PREC)
-            scores = tl.dot(Ci, tl.trans(Bj), out_dtype=ACC, input_precision=PREC)
-            row += tl.sum(w * scores, 1)  # dy_i . (intra-chunk part of y_i)
-        tl.store(rows_ptr + (bb * H + hh) * n_chunks * Q + c * Q + li, row, mask=li < Q)
+            weights += w
+            row = tl.sum(w * scores, 1)  # dy_i . (this block's part of y_i)
+            rows += tl.where(rr[None, :] == r, row[:, None], 0.0)
+        Bj = load_tile(B_base, tj, sB_l, vj, rn, sB_n, N)
+        acc = tl.dot(weights.to(Bj.dtype), Bj, acc, out_dtype=ACC, input_precision=PREC)
+    heads = (bb * H + g * R + rr[None, :]) * n_chunks * Q
+    tl.store(rows_ptr + heads + c * Q + li[:, None], rows,
+             mask=(li[:, None] < Q) & (rr[None, :] < R))  # fmt: skip
     store_tile(dC_ptr + bb * sdC_b + g * sdC_g, ti, sdC_l, vi, rn, sdC_n, N, acc)
 
 
 @triton.autotune(configs=configs("dx"), key=["Q", "P", "N"])
 @triton.jit
 def dx_bwd(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dy_ptr, dstates_ptr, cum_ptr, ends_ptr, rows_ptr,
-    dx_ptr, ddt_ptr, dA_ptr, dD_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, scores_ptr, D_ptr, dy_ptr, dstates_ptr, cum_ptr, ends_ptr,
+    rows_ptr, dx_ptr, ddt_ptr, dA_ptr, dD_ptr,
     L, H, R, Q, P, N, n_chunks,
     sx_l, sx_b, sx_h, sx_p,
     sdt_l, sdt_b, sdt_h,
     sB_l, sB_b, sB_g, sB_n,
-    sC_l, sC_b, sC_g, sC_n,
     sy_l, sy_b, sy_h, sy_p,
     sdx_l, sdx_b, sdx_h, sdx_p,
     sddt_l, sddt_b, sddt_h,
@@ -174,7 +193,7 @@ def dx_bwd(
     """Per (head, chunk, batch), the whole chunk's steps j at once:
     ``u_j = exp(T - s_j) dS_c B_j + sum_{i>=j} exp(s_i - s_j) (B_j . C_i) dy_i``,
     ``dx_j = dt_j u_j + D dy_j``, ``ddt_j = x_j . u_j + A da_j``; ``dA``, ``dD`` partials."""
-    hh = tl.program_id(0)  # the heads of a group side by side: they read the same B, C
+    hh = tl.program_id(0)  # the heads of a group side by side: they read the same B, scores
     c = tl.program_id(1)
     bb = tl.program_id(2).to(tl.int64)
     g = hh // R
@@ -187,7 +206,7 @@ def dx_bwd(
     s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
     total = tl.load(cum_base + Q - 1)
     B_base = B_ptr + bb * sB_b + g * sB_g
-    C_base = C_ptr + bb * sC_b + g * sC_g
+    scores_base = scores_ptr + ((bb * n_chunks + c) * (H // R) + g) * Q * Q
     dy_base = dy_ptr + bb * sy_b + hh * sy_h
     Bj = load_tile(B_base, tj, sB_l, vj, rn, sB_n, N)
     st = dstates_ptr + ((bb * n_chunks + c) * H + hh) * P * N
@@ -201,11 +220,10 @@ def dx_bwd(
         li = k + ri
         ti = c * Q + li
         vi = (li < Q) & (ti < L)
-        Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
         dyi = load_tile(dy_base, ti, sy_l, vi, rp, sy_p, P)
         s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
         decay = causal_decay(s_j, lj, s_i, li, False)
-        w = tl.dot(Bj, tl.trans(Ci), out_dtype=ACC, input_precision=PREC) * decay  # [Q, I]
+        w = load_scores(scores_base, li, lj, Q, False) * decay  # [Q, I]: (B_j . C_i)
         u = tl.dot(w.to(dyi.dtype), dyi, u, out_dtype=ACC, input_precision=PREC)
     x = load_tile(x_ptr + bb * sx_b + hh * sx_h, tj, sx_l, vj, rp, sx_p, P).to(ACC)
     dt = tl.load(dt_ptr + bb * sdt_b + hh * sdt_h + tj * sdt_l, mask=vj, other=0.0).to(ACC)
@@ -239,8 +257,10 @@ def db_bwd(
     ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Per (block of steps j, group, chunk * batch), over the group's heads:
-    ``dB_j = sum_h dt_j [exp(T - s_j) x_j dS_c + sum_{i>=j} exp(s_i - s_j) (dy_i . x_j) C_i]``."""
+    """Per (block of steps j, group, chunk * batch):
+    ``dB_j = sum_h dt_j exp(T - s_j) x_j dS_c
+    + sum_{i>=j} [sum_h dt_j exp(s_i - s_j) (dy_i . x_j)] C_i``
+    (the heads' weights summed before the one product with ``C_i``, per block of steps i)."""
     c = tl.program_id(2) % n_chunks
     bb = (tl.program_id(2) // n_chunks).to(tl.int64)
     g = tl.program_id(1)
@@ -253,6 +273,7 @@ def db_bwd(
     vj = (lj < Q) & (tj < L)
     C_base = C_ptr + bb * sC_b + g * sC_g
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    # the chunk states' part, head by head
     for r in range(0, R):
         hh = g * R + r
         cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
@@ -262,22 +283,31 @@ def db_bwd(
         xj = load_tile(x_ptr + bb * sx_b + hh * sx_h, tj, sx_l, vj, rp, sx_p, P)
         st = dstates_ptr + ((bb * n_chunks + c) * H + hh) * P * N
         dS = load_tile(st, rp, N, rp < P, rn, 1, N)  # [P, N]
-        head = (
+        acc += (
             tl.dot(xj, dS.to(xj.dtype), out_dtype=ACC, input_precision=PREC)
-            * tl.exp(total - s_j)[:, None]
+            * (tl.exp(total - s_j) * dt_j)[:, None]
         )
-        dy_base = dy_ptr + bb * sy_b + hh * sy_h
-        for k in range(start, Q, BLOCK_K):
-            li = k + rk
-            ti = c * Q + li
-            vi = (li < Q) & (ti < L)
-            dyi = load_tile(dy_base, ti, sy_l, vi, rp, sy_p, P)
-            Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
+    # the intra-chunk part: blocks of steps i outside, the group's heads inside
+    for k in range(start, Q, BLOCK_K):
+        li = k + rk
+        ti = c * Q + li
+        vi = (li < Q) & (ti < L)
+        weights = tl.zeros((BLOCK_M, BLOCK_K), dtype=ACC)
+        for r in range(0, R):
+            hh = g * R + r
+            cum_base = cum_ptr + (bb * H + hh) * n_chunks * Q + c * Q
+            s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
             s_i = tl.load(cum_base + li, mask=li < Q, other=0.0)
+            dt_j = tl.load(dt_ptr + bb * sdt_b + hh * sdt_h + tj * sdt_l, mask=vj,
+                           other=0.0).to(ACC)  # fmt: skip
+            xj = load_tile(x_ptr + bb * sx_b + hh * sx_h, tj, sx_l, vj, rp, sx_p, P)
+            dyi = load_tile(dy_ptr + bb * sy_b + hh * sy_h, ti, sy_l, vi, rp, sy_p, P)
             decay = causal_decay(s_j, lj, s_i, li, False)
-            w = (
-                tl.dot(xj, tl.trans(dyi), out_dtype=ACC, input_precision=PREC) * decay
-            )  # [M, K]: (dy_i . x_j)
-            head = tl.dot(w.to(Ci.dtype), Ci, head, out_dtype=ACC, input_precision=PREC)
-        acc += head * dt_j[:, None]
+            weights += (
+                tl.dot(xj, tl.trans(dyi), out_dtype=ACC, input_precision=PREC)
+                * decay
+                * dt_j[:, None]
+            )  # [M, K]: dt_j (dy_i . x_j)
+        Ci = load_tile(C_base, ti, sC_l, vi, rn, sC_n, N)
+        acc = tl.dot(weights.to(Ci.dtype), Ci, acc, out_dtype=ACC, input_precision=PREC)
     store_tile(dB_ptr + bb * sdB_b + g * sdB_g, tj, sdB_l, vj, rn, sdB_n, N, acc)

@@ -11,6 +11,9 @@ _CANDIDATES = {
     # chunk state: [p, t] @ [t, n] accumulated over blocks of t steps
     "state": [({"BLOCK_T": 16}, 4, 1), ({"BLOCK_T": 64}, 4, 3), ({"BLOCK_T": 32}, 8, 3),
               ({"BLOCK_T": 128}, 8, 2)],
+    # C_i . B_j per group: rows M, columns K (the blocks reaching j <= i, all that is read)
+    "scores": [({"BLOCK_M": 16, "BLOCK_K": 16}, 4, 1), ({"BLOCK_M": 64, "BLOCK_K": 64}, 4, 2),
+               ({"BLOCK_M": 128, "BLOCK_K": 64}, 8, 2), ({"BLOCK_M": 64, "BLOCK_K": 128}, 8, 2)],
     # chunk scan: output rows M, source steps K
     "scan": [({"BLOCK_M": 16, "BLOCK_K": 16}, 4, 1), ({"BLOCK_M": 64, "BLOCK_K": 64}, 4, 2),
              ({"BLOCK_M": 64, "BLOCK_K": 32}, 4, 3), ({"BLOCK_M": 128, "BLOCK_K": 64}, 8, 2)],
@@ -18,10 +21,12 @@ _CANDIDATES = {
     "dx": [({"BLOCK_I": 16}, 4, 1), ({"BLOCK_I": 32}, 8, 2), ({"BLOCK_I": 64}, 8, 2),
            ({"BLOCK_I": 32}, 8, 3)],
     # B and C gradients per group: rows M, the other side K
-    # (a program loops over the group's heads: small row blocks, more programs; 8 warps,
-    # as at 4 every block size spilled 350-1,000 bytes per thread in ptxas -v for sm_90a)
+    # (a program loops over the group's heads inside each block of K: small row blocks, more
+    # programs; 8 warps, as at 4 the former heads-outside loop spilled 350-1,000 bytes per
+    # thread in ptxas -v for sm_90a)
     "dbc": [({"BLOCK_M": 16, "BLOCK_K": 16}, 4, 1), ({"BLOCK_M": 32, "BLOCK_K": 32}, 8, 2),
-            ({"BLOCK_M": 32, "BLOCK_K": 64}, 8, 2), ({"BLOCK_M": 64, "BLOCK_K": 32}, 8, 1)],
+            ({"BLOCK_M": 32, "BLOCK_K": 64}, 8, 2), ({"BLOCK_M": 64, "BLOCK_K": 32}, 8, 1),
+            ({"BLOCK_M": 64, "BLOCK_K": 64}, 8, 2)],
 }  # fmt: skip
 
 

@@ -31,6 +31,24 @@ def _pass_block(pn: int) -> int:
     return min(1024, _pow2(pn))
 
 
+def _chunk_scores(B: Tensor, C: Tensor, q: int) -> Tensor:
+    """``C_i . B_j`` per (batch, chunk, group), once for the group's heads: ``[b, c, g, q, q]``
+    in the accumulation dtype (only ``j <= i`` is written and read)."""
+    length, b, g, n = B.shape
+    c = -(-length // q)
+    acc_t, acc, prec = _acc(B.dtype)
+    scores = torch.empty(b, c, g, q, q, device=B.device, dtype=acc_t)
+
+    def grid(meta: dict[str, int]) -> tuple[int, int, int]:
+        return (-(-q // meta["BLOCK_M"]), g, c * b)
+
+    _fwd.chunk_scores_fwd[grid](
+        B, C, scores, length, g, q, n, c, *B.stride(), *C.stride(),
+        ACC=acc, PREC=prec, BLOCK_N=_pow2(n),
+    )  # fmt: skip
+    return scores
+
+
 class _SSDScan(torch.autograd.Function):
     """fwd: chunk states, state passing, chunk scan · bwd: the duals, last chunk first."""
 
@@ -56,21 +74,23 @@ class _SSDScan(torch.autograd.Function):
         )
         y = torch.empty(length, b, h, p, device=x.device, dtype=x.dtype)
 
+        scores = _chunk_scores(B, C, q)  # saved: b * c * g * q * q in ACC, 34 MB at 1B sizes
+
         def scan_grid(meta: dict[str, int]) -> tuple[int, int, int]:
             return (-(-q // meta["BLOCK_M"]), h, c * b)  # a chunk's blocks side by side
 
         _fwd.chunk_scan_fwd[scan_grid](
-            x, dt, B, C, x if D is None else D, y, states, cum, *shape,
-            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
+            x, dt, C, scores, x if D is None else D, y, states, cum, *shape,
+            *x.stride(), *dt.stride(), *C.stride(), *y.stride(),
             HAS_D=D is not None, **blocks,
         )  # fmt: skip
-        ctx.save_for_backward(x, dt, A, B, C, D, states, cum, final)
+        ctx.save_for_backward(x, dt, A, B, C, D, states, cum, final, scores)
         ctx.q = q
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, dt, A, B, C, D, states, cum, final = ctx.saved_tensors
+        x, dt, A, B, C, D, states, cum, final, scores = ctx.saved_tensors
         q = ctx.q
         dy = dy.to(x.dtype)
         length, b, h, p = x.shape
@@ -96,18 +116,18 @@ class _SSDScan(torch.autograd.Function):
         rows = torch.empty(b, h, c * q, device=dev, dtype=acc_t)
         dC = torch.empty(C.shape, device=dev, dtype=C.dtype)
         _bwd.dc_bwd[group_grid](
-            x, dt, B, C, dy, states, cum, dC, rows, *shape,
+            x, dt, B, C, dy, states, cum, scores, dC, rows, *shape,
             *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(), *dC.stride(),
-            **blocks,
+            BLOCK_R=max(2, 1 << (r - 1).bit_length()), **blocks,
         )  # fmt: skip
         dx = torch.empty(x.shape, device=dev, dtype=x.dtype)
         ddt = torch.empty(dt.shape, device=dev, dtype=dt.dtype)
         dA = torch.empty(b, c, h, device=dev, dtype=acc_t)
         dD = torch.empty(b, c, h, device=dev, dtype=acc_t) if D is not None else None
         _bwd.dx_bwd[(h, c, b)](
-            x, dt, A, B, C, x if D is None else D, dy, dstates, cum, ends, rows,
+            x, dt, A, B, scores, x if D is None else D, dy, dstates, cum, ends, rows,
             dx, ddt, dA, dA if dD is None else dD, *shape,
-            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(), *dx.stride(),
+            *x.stride(), *dt.stride(), *B.stride(), *dy.stride(), *dx.stride(),
             *ddt.stride(), HAS_D=D is not None, BLOCK_Q=_pow2(q), **blocks,
         )  # fmt: skip
         dB = torch.empty(B.shape, device=dev, dtype=B.dtype)

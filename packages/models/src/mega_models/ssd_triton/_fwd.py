@@ -10,6 +10,9 @@ Notation (one batch row ``b``, one head ``h`` of group ``g``, one chunk ``c`` of
 * entering     ``H_0 = 0``, ``H_{c+1} = exp(T_c) H_c + S_c``
 * output       ``y_i = exp(s_i) H_c C_i + sum_{j<=i} exp(s_i - s_j) (C_i . B_j) dt_j x_j + D x_i``
 
+The scores ``C_i . B_j`` belong to the group, not the head: ``chunk_scores_fwd`` computes them
+once per (chunk, group, batch), in ``ACC``, for the scan and the backward to read.
+
 Positions past the sequence end (the last chunk's tail) read as zero input with zero ``dt``,
 so they neither decay nor feed anything. Accumulation is in ``ACC`` (fp32, or fp64 for fp64
 inputs); matmul operands are in the inputs' dtype.
@@ -19,7 +22,7 @@ import triton
 import triton.language as tl
 
 from mega_models.ssd_triton._configs import configs
-from mega_models.ssd_triton._tiles import causal_decay, load_tile, store_tile
+from mega_models.ssd_triton._tiles import causal_decay, load_scores, load_tile, store_tile
 
 
 @triton.autotune(configs=configs("state"), key=["Q", "P", "N"])
@@ -73,6 +76,39 @@ def chunk_state_fwd(
     store_tile(out, rp, N, rp < P, rn, 1, N, acc)
 
 
+@triton.autotune(configs=configs("scores"), key=["Q", "N"])
+@triton.jit
+def chunk_scores_fwd(
+    B_ptr, C_ptr, scores_ptr,
+    L, G, Q, N, n_chunks,
+    sB_l, sB_b, sB_g, sB_n,
+    sC_l, sC_b, sC_g, sC_n,
+    ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Per (block of steps i, group, chunk * batch): ``C_i . B_j`` for the blocks of steps
+    ``j`` that reach ``j <= i``, to ``scores[b, c, g, i, j]`` ``[Q, Q]`` (zero past the
+    sequence end)."""
+    c = tl.program_id(2) % n_chunks
+    bb = (tl.program_id(2) // n_chunks).to(tl.int64)
+    g = tl.program_id(1)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    li = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ti = c * Q + li
+    vi = (li < Q) & (ti < L)
+    Ci = load_tile(C_ptr + bb * sC_b + g * sC_g, ti, sC_l, vi, rn, sC_n, N)
+    B_base = B_ptr + bb * sB_b + g * sB_g
+    out = scores_ptr + ((bb * n_chunks + c) * G + g) * Q * Q
+    end = tl.minimum((tl.program_id(0) + 1) * BLOCK_M, Q)
+    for k in range(0, end, BLOCK_K):
+        lj = k + rk
+        tj = c * Q + lj
+        Bj = load_tile(B_base, tj, sB_l, (lj < Q) & (tj < L), rn, sB_n, N)
+        scores = tl.dot(Ci, tl.trans(Bj), out_dtype=ACC, input_precision=PREC)  # [M, K]
+        store_tile(out, li, Q, li < Q, lj, 1, Q, scores)
+
+
 @triton.jit
 def state_pass_fwd(
     states_ptr, cum_ptr, final_ptr, H, Q, PN, n_chunks,
@@ -98,11 +134,10 @@ def state_pass_fwd(
 @triton.autotune(configs=configs("scan"), key=["Q", "P", "N"])
 @triton.jit
 def chunk_scan_fwd(
-    x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, y_ptr, states_ptr, cum_ptr,
+    x_ptr, dt_ptr, C_ptr, scores_ptr, D_ptr, y_ptr, states_ptr, cum_ptr,
     L, H, R, Q, P, N, n_chunks,
     sx_l, sx_b, sx_h, sx_p,
     sdt_l, sdt_b, sdt_h,
-    sB_l, sB_b, sB_g, sB_n,
     sC_l, sC_b, sC_g, sC_n,
     sy_l, sy_b, sy_h, sy_p,
     HAS_D: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -110,7 +145,7 @@ def chunk_scan_fwd(
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Per (block of output steps, head, chunk * batch), the blocks of one chunk and the heads
-    of one group next to each other (they read the same state and B, C): ``y``."""
+    of one group next to each other (they read the same scores and C): ``y``."""
     c = tl.program_id(2) % n_chunks
     bb = (tl.program_id(2) // n_chunks).to(tl.int64)
     hh = tl.program_id(1)
@@ -132,17 +167,16 @@ def chunk_scan_fwd(
     )  # [M, P]
     x_base = x_ptr + bb * sx_b + hh * sx_h
     dt_base = dt_ptr + bb * sdt_b + hh * sdt_h
-    B_base = B_ptr + bb * sB_b + g * sB_g
+    scores_base = scores_ptr + ((bb * n_chunks + c) * (H // R) + g) * Q * Q
     rk = tl.arange(0, BLOCK_K)
     end = tl.minimum((tl.program_id(0) + 1) * BLOCK_M, Q)
     for k in range(0, end, BLOCK_K):
         lj = k + rk
         tj = c * Q + lj
         vj = (lj < Q) & (tj < L)
-        Bj = load_tile(B_base, tj, sB_l, vj, rn, sB_n, N)
         s_j = tl.load(cum_base + lj, mask=lj < Q, other=0.0)
         dt_j = tl.load(dt_base + tj * sdt_l, mask=vj, other=0.0).to(ACC)
-        scores = tl.dot(Ci, tl.trans(Bj), out_dtype=ACC, input_precision=PREC)  # [M, K]
+        scores = load_scores(scores_base, li, lj, Q, True)  # [M, K]
         decay = causal_decay(s_i, li, s_j, lj, True)
         xj = load_tile(x_base, tj, sx_l, vj, rp, sx_p, P)
         w = (scores * decay * dt_j[None, :]).to(xj.dtype)

@@ -35,3 +35,17 @@ def store_tile(base, rows, row_stride, row_ok, cols, col_stride, n_cols, value):
     mask = row_ok[:, None] & (cols[None, :] < n_cols)
     tl.store(base + rows[:, None] * row_stride + cols[None, :] * col_stride,
              value.to(base.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+@triton.jit
+def load_scores(base, li, lj, Q, I_ROWS: tl.constexpr):
+    """A tile of one chunk's ``C_i . B_j`` (``[Q, Q]``, row-major at ``base``, as
+    ``chunk_scores_fwd`` stores it) at steps ``li`` and ``lj``: ``[len(li), len(lj)]`` when
+    ``I_ROWS``, else ``[len(lj), len(li)]``; zero where ``j > i`` (not all stored) or past
+    the chunk."""
+    if I_ROWS:
+        keep = (lj[None, :] <= li[:, None]) & (li[:, None] < Q)
+        return tl.load(base + li[:, None] * Q + lj[None, :], mask=keep, other=0.0)
+    else:
+        keep = (lj[:, None] <= li[None, :]) & (li[None, :] < Q)
+        return tl.load(base + li[None, :] * Q + lj[:, None], mask=keep, other=0.0)

@@ -1,0 +1,142 @@
+"""Which part of row-wise FP8 does ``torch.compile`` get wrong? One linear, piece by piece.
+
+    python3 bench/fp8_row_probe.py            # one GPU (sm89+), a few seconds a line
+    python3 bench/fp8_row_probe.py --smoke    # CPU: emulated GEMMs, only checks that it runs
+
+On the H200 (torch 2.11, 2026-12-05) one compiled row-wise ``1b-bench`` layer gave every
+weight gradient as zeros while its forward matched eager (``bench/fp8_compile_check.py``);
+tensor- and block-wise matched. Row-wise is the one recipe whose gradients are e5m2 *and*
+scaled per row, so each line here compiles one piece alone, eager against compiled on the
+same inputs, with the gradient format as the variable:
+
+- ``quantize``: ``quantize_tiles`` of a gradient per row (dgrad's tiles) and per column
+  (wgrad's), dequantised;
+- ``gemm``: ``torch._scaled_mm`` called directly (so Inductor lowers it itself) on
+  already-quantised row-wise operands with ``[M, 1]`` / ``[1, N]`` scales: dgrad's with and
+  without fast accumulation, and wgrad's (both scaled along the tokens, the gradient
+  transposed); "eager vs fp32 product" checks the library's GEMM against the exact product;
+- ``linear``: ``fp8_linear`` as the library runs it, the forward compiled and its backward
+  by AOTAutograd, as a compiled layer runs.
+
+On the GPU (H100, torch 2.11, 2026-12-05) every piece compiled alone equalled eager, in e5m2
+and e4m3 alike, while the compiled ``linear`` gave zero ``dx`` and ``dw``: the defect is in
+how the row-wise branch of ``_Fp8Linear``'s backward is traced, not in a kernel.
+
+Each line prints the cosine and relative error of compiled against eager, and of eager
+against the fp32 product of the same values; a cosine near 0 or a zero norm names the piece.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from torch import Tensor
+
+from mega_tp_layers import Fp8Recipe, fp8_linear
+from mega_tp_layers.fp8_scaling import Fp8Tiles, operand_tile, quantize_tiles, tiled_gemm
+
+_FORMATS = {"e5m2": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
+
+
+def _cmp(ref: Tensor, got: Tensor) -> str:
+    x, y = ref.double().flatten(), got.double().flatten()
+    cos = float(torch.dot(x, y) / (x.norm() * y.norm()).clamp_min(1e-300))
+    rel = float((y - x).norm() / x.norm().clamp_min(1e-300))
+    return f"cos {cos:.6f} rel {rel:.2e} |ref| {float(x.norm()):.4e} |got| {float(y.norm()):.4e}"
+
+
+def _raw(a: Fp8Tiles, b: Fp8Tiles, fast: bool) -> Tensor:
+    """``torch._scaled_mm`` called directly (what Inductor lowers itself), row-wise scales."""
+    out: Tensor = torch._scaled_mm(
+        a.data.contiguous(), b.data.t().contiguous().t(),
+        scale_a=a.inv_scale.reshape(-1).view(a.inv_scale.shape),
+        scale_b=b.inv_scale.reshape(-1).view(b.inv_scale.shape),
+        out_dtype=torch.bfloat16, use_fast_accum=fast,
+    )  # fmt: skip
+    return out.float()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, default=4096, help="tokens")
+    ap.add_argument("--k", type=int, default=2048, help="in features")
+    ap.add_argument("--n", type=int, default=5632, help="out features")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny, emulated fp8")
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available() and not a.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if a.smoke:
+        a.m, a.k, a.n = 64, 32, 48
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(a.m, a.k, generator=gen).to(device, dtype)
+    w = (torch.randn(a.n, a.k, generator=gen) * a.k**-0.5).to(device, dtype)
+    dy = torch.randn(a.m, a.n, generator=gen).to(device, dtype)
+    rows: dict[str, str] = {}
+
+    def line(label: str, fn: object, *args: object) -> None:
+        try:
+            eager = fn(*args)  # type: ignore[operator]
+            compiled = torch.compile(fn, dynamic=False)(*args)  # type: ignore[arg-type]
+            outs = eager if isinstance(eager, tuple) else (eager,)
+            comps = compiled if isinstance(compiled, tuple) else (compiled,)
+            rows[label] = " ; ".join(_cmp(e, c) for e, c in zip(outs, comps, strict=True))
+        except Exception as err:  # one failing piece does not stop the others
+            rows[label] = f"failed: {type(err).__name__}: {str(err)[:200]}"
+        print(f"{label:<34} {rows[label]}", flush=True)
+        torch._dynamo.reset()
+
+    for name, fmt in _FORMATS.items():
+        recipe = Fp8Recipe(scaling="row", grad_dtype=fmt)
+        for what, contracted in (("dgrad tiles", 1), ("wgrad tiles", 0)):
+            tile = operand_tile("row", contracted, False)
+            line(f"quantize {name} {what}",
+                 lambda t, tile=tile, fmt=fmt: quantize_tiles(t, fmt, 1e-12, tile).dequantize(),
+                 dy)  # fmt: skip
+        g_rows = quantize_tiles(dy, fmt, 1e-12, operand_tile("row", 1, False))
+        w_cols = quantize_tiles(w, torch.float8_e4m3fn, 1e-12, operand_tile("row", 0, True))
+        ref = g_rows.dequantize() @ w_cols.dequantize()
+        for fwd in (True, False):
+            label = f"gemm {name} dgrad fast={fwd}"
+            line(label, lambda ga, wb, fwd=fwd: _raw(ga, wb, fwd), g_rows, w_cols)
+            got = tiled_gemm(g_rows, w_cols, torch.float32, recipe, forward=fwd)
+            print(f"{'  eager vs fp32 product':<34} {_cmp(ref, got)}", flush=True)
+        g_cols = quantize_tiles(dy, fmt, 1e-12, operand_tile("row", 0, False)).t()  # [N, M]
+        x_cols = quantize_tiles(x, torch.float8_e4m3fn, 1e-12, operand_tile("row", 0, False))
+        ref = g_cols.dequantize() @ x_cols.dequantize()
+        line(f"gemm {name} wgrad", lambda ga, xb: _raw(ga, xb, False), g_cols, x_cols)
+        got = tiled_gemm(g_cols, x_cols, torch.float32, recipe, forward=False)
+        print(f"{'  eager vs fp32 product':<34} {_cmp(ref, got)}", flush=True)
+
+        def fwd_only(xx: Tensor, ww: Tensor, recipe: Fp8Recipe = recipe) -> Tensor:
+            return fp8_linear(xx, ww, recipe=recipe)
+
+        def lin(f: object, gg: Tensor = dy) -> tuple[Tensor, ...]:
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+            out = f(xl, wl)  # type: ignore[operator]
+            dx, dw = torch.autograd.grad(out, (xl, wl), gg)
+            return out.detach(), dx, dw
+
+        label = f"linear {name} out, dx, dw"
+        try:  # compiled as the trainer compiles a layer: the forward, its backward by AOTAutograd
+            eager = lin(fwd_only)
+            compiled = lin(torch.compile(fwd_only, dynamic=False))
+            rows[label] = " ; ".join(_cmp(e, c) for e, c in zip(eager, compiled, strict=True))
+        except Exception as err:
+            rows[label] = f"failed: {type(err).__name__}: {str(err)[:200]}"
+        print(f"{label:<34} {rows[label]}", flush=True)
+        torch._dynamo.reset()
+    print("\n| piece | compiled against eager |\n|---|---|")
+    for label, r in rows.items():
+        print(f"| {label} | {r} |")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "fp8_row_probe.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
