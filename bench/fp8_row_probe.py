@@ -59,12 +59,44 @@ def _raw(a: Fp8Tiles, b: Fp8Tiles, fast: bool) -> Tensor:
     return out.float()
 
 
+def _linears(
+    backends: list[str], name: str, recipe: Fp8Recipe, x: Tensor, w: Tensor, dy: Tensor,
+    rows: dict[str, str],
+) -> None:  # fmt: skip
+    """``fp8_linear`` eager against compiled by each backend: which stage zeroes dx and dw."""
+
+    def fwd_only(xx: Tensor, ww: Tensor) -> Tensor:
+        return fp8_linear(xx, ww, recipe=recipe)
+
+    def lin(f: object) -> tuple[Tensor, ...]:
+        xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+        out = f(xl, wl)  # type: ignore[operator]
+        dx, dw = torch.autograd.grad(out, (xl, wl), dy)
+        return out.detach(), dx, dw
+
+    for backend in backends:
+        label = f"linear {name} {backend} out, dx, dw"
+        try:  # compiled as the trainer compiles a layer: the forward, its backward by AOTAutograd
+            eager = lin(fwd_only)
+            compiled = lin(torch.compile(fwd_only, dynamic=False, backend=backend))
+            rows[label] = " ; ".join(_cmp(e, c) for e, c in zip(eager, compiled, strict=True))
+        except Exception as err:
+            rows[label] = f"failed: {type(err).__name__}: {str(err)[:200]}"
+        print(f"{label:<34} {rows[label]}", flush=True)
+        torch._dynamo.reset()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=4096, help="tokens")
     ap.add_argument("--k", type=int, default=2048, help="in features")
     ap.add_argument("--n", type=int, default=5632, help="out features")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, emulated fp8")
+    ap.add_argument("--backends", default="inductor",
+                    help="torch.compile backends for the linear line, comma-separated: "
+                         "aot_eager (AOTAutograd's graphs run eagerly), "
+                         "aot_eager_decomp_partition, inductor")  # fmt: skip
+    ap.add_argument("--linear-only", action="store_true", help="only the linear lines")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -91,6 +123,9 @@ def main() -> None:
 
     for name, fmt in _FORMATS.items():
         recipe = Fp8Recipe(scaling="row", grad_dtype=fmt)
+        if a.linear_only:
+            _linears(a.backends.split(","), name, recipe, x, w, dy, rows)
+            continue
         for what, contracted in (("dgrad tiles", 1), ("wgrad tiles", 0)):
             tile = operand_tile("row", contracted, False)
             line(f"quantize {name} {what}",
@@ -111,24 +146,7 @@ def main() -> None:
         got = tiled_gemm(g_cols, x_cols, torch.float32, recipe, forward=False)
         print(f"{'  eager vs fp32 product':<34} {_cmp(ref, got)}", flush=True)
 
-        def fwd_only(xx: Tensor, ww: Tensor, recipe: Fp8Recipe = recipe) -> Tensor:
-            return fp8_linear(xx, ww, recipe=recipe)
-
-        def lin(f: object, gg: Tensor = dy) -> tuple[Tensor, ...]:
-            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-            out = f(xl, wl)  # type: ignore[operator]
-            dx, dw = torch.autograd.grad(out, (xl, wl), gg)
-            return out.detach(), dx, dw
-
-        label = f"linear {name} out, dx, dw"
-        try:  # compiled as the trainer compiles a layer: the forward, its backward by AOTAutograd
-            eager = lin(fwd_only)
-            compiled = lin(torch.compile(fwd_only, dynamic=False))
-            rows[label] = " ; ".join(_cmp(e, c) for e, c in zip(eager, compiled, strict=True))
-        except Exception as err:
-            rows[label] = f"failed: {type(err).__name__}: {str(err)[:200]}"
-        print(f"{label:<34} {rows[label]}", flush=True)
-        torch._dynamo.reset()
+        _linears(a.backends.split(","), name, recipe, x, w, dy, rows)
     print("\n| piece | compiled against eager |\n|---|---|")
     for label, r in rows.items():
         print(f"| {label} | {r} |")

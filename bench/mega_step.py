@@ -59,6 +59,7 @@ def main() -> None:
         "(bench/kernel_profile.py's summary) printed and written to $OUT/profile_<size>.txt",
     )  # fmt: skip
     ap.add_argument("--fp8", action="store_true", help="train.fp8 true (bf16 + FP8 GEMMs)")
+    ap.add_argument("--tag", default="", help="appended to the result's system name")
     ap.add_argument("--precision", default="", help="train.precision (default: bf16 on GPU)")
     ap.add_argument(
         "--tp-comm-overlap", action="store_true",
@@ -142,7 +143,7 @@ def main() -> None:
     tok_s = tokens / (med / 1e3)
     result = {
         "system": f"mega{'-compile' if args.compile else '-eager'}{'-fp8' if args.fp8 else ''}"
-        + "".join(f" {item}" for item in args.set),
+        + "".join(f" {item}" for item in args.set) + (f" {args.tag}" if args.tag else ""),
         "size": args.size, "mb": args.mb, "accum": args.accum,
         "tp": args.tp, "pp": args.pp, "pp_layers": args.pp_layers, "ep": args.ep, "dp": dp, "sp": args.sp, "world": world,
         "tp_comm_overlap": args.tp_comm_overlap,
