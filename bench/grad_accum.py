@@ -10,10 +10,11 @@ Each line runs the same accumulation over every parameter of the model (shapes b
 meta device), ``--accum`` micro-batches, and reports the GPU time and the bandwidth it
 reached (bytes: bf16 read + fp32 read + fp32 write per element; the copy reads no fp32):
 
-- ``aten``: ``main.copy_(g)`` then ``main.add_(g)``, as the hook runs today;
+- ``aten``: ``main.copy_(g)`` then ``main.add_(g)``, as the hook ran until 2026-12-05;
 - ``inductor``: the same ops compiled once on flat views (``dynamic=True``), so one
   generated Triton kernel serves every size;
-- ``triton``: a hand-written kernel, bf16 widened and added in fp32, 4096 elements a program.
+- ``mega``: ``mega_zero_optim.accumulate_grad``, what the DDP hook runs now: on CUDA the
+  project's Triton kernel (bf16 widened and added in fp32, 4096 elements a program).
 
 Each line checks its result against ``aten``'s (equal: one fp32 rounding of the same sum).
 """
@@ -65,24 +66,10 @@ def _inductor() -> Accumulate:
     return run
 
 
-def _triton() -> Accumulate:
-    import triton
-    import triton.language as tl
+def _mega(main: Tensor, g: Tensor, first: bool) -> None:
+    from mega_zero_optim import accumulate_grad
 
-    @triton.jit
-    def kernel(main_ptr, g_ptr, n, FIRST: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-        if not FIRST:
-            g += tl.load(main_ptr + offs, mask=mask)
-        tl.store(main_ptr + offs, g, mask=mask)
-
-    def run(main: Tensor, g: Tensor, first: bool) -> None:
-        n = main.numel()
-        kernel[(triton.cdiv(n, 4096),)](main, g, n, FIRST=first, BLOCK=4096, num_warps=8)
-
-    return run
+    accumulate_grad(main, g, first=first)
 
 
 def main() -> None:
@@ -90,7 +77,7 @@ def main() -> None:
     ap.add_argument("--size", default="deepseek-3b")
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--smoke", action="store_true", help="CPU, moe-tiny, aten and inductor")
+    ap.add_argument("--smoke", action="store_true", help="CPU, moe-tiny")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -100,9 +87,7 @@ def main() -> None:
     grads = [torch.randn(s, generator=gen, device=device).bfloat16() for s in shapes]
     elems = sum(g.numel() for g in grads)
     nbytes = elems * (2 + 4) + (a.accum - 1) * elems * (2 + 4 + 4)
-    variants: dict[str, Accumulate] = {"aten": _aten, "inductor": _inductor()}
-    if cuda:
-        variants["triton"] = _triton()
+    variants: dict[str, Accumulate] = {"aten": _aten, "inductor": _inductor(), "mega": _mega}
     ref: list[Tensor] | None = None
     rows = []
     for name, fn in variants.items():

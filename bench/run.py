@@ -286,20 +286,23 @@ SUITES: dict[str, Suite] = {
     # the seventh session's last call (on the H200): the hybrid with the SSD scan before
     # (.snap/ssd_old: HEAD's packages/models/src) and after the scores change, beside GPT;
     # 1b-bench compiled bf16 against FP8 tensor- and block-wise
-    # the eighth session's first call: the main-grad accumulation alone (ATen, Inductor, a
-    # hand Triton kernel), compiled row-wise FP8 bisected by backend (AOT graphs logged), the
-    # hybrid with the SSD scan before and after the scores change, on one GPU
+    # the eighth session's first call: the main-grad accumulation alone (ATen, Inductor, the
+    # project's kernel) and deepseek-3b with it, compiled row-wise FP8 bisected by backend (AOT
+    # graphs logged), FP8 with fixed scales (delayed scaling's bound), the old SSD scan
     "probe8": [
         ("grad accum deepseek-3b", 90, "python3 bench/grad_accum.py --size deepseek-3b --accum 4"),
-        ("fp8 row bisect small", 90, "TORCH_LOGS=aot_graphs python3 bench/fp8_row_probe.py "
+        ("deepseek-3b accum 4", 200, f"{_STEP} --size deepseek-3b --mb 4 --accum 4 --compile "
+                                     "--steps 6 --warmup 2"),
+        ("fp8 row bisect small", 80, "TORCH_LOGS=aot_graphs python3 bench/fp8_row_probe.py "
                                      "--linear-only --m 256 --k 256 --n 256 --backends "
                                      "aot_eager,aot_eager_decomp_partition,inductor "
                                      "2> $OUT/fp8_row_graphs.log"),
-        ("fp8 row bisect", 90, "python3 bench/fp8_row_probe.py --linear-only --backends "
-                               "aot_eager,aot_eager_decomp_partition,inductor"),
+        ("mega compile fp8", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --steps 10 "
+                                  "--warmup 3"),
+        ("fp8 fixed scale", 110, "python3 bench/fp8_fixed_scale.py --size 1b-bench --mb 8 "
+                                 "--compile --fp8 --steps 10 --warmup 3"),
         ("hybrid old ssd", 150, "PYTHONPATH=.snap/ssd_old/packages/models/src:$PYTHONPATH "
                                 "python3 bench/hybrid_vs_gpt.py --compile --only hybrid"),
-        ("hybrid vs gpt", 220, "python3 bench/hybrid_vs_gpt.py --compile"),
     ],
     "probe7c": [
         ("hybrid old ssd", 150, "PYTHONPATH=.snap/ssd_old/packages/models/src:$PYTHONPATH "

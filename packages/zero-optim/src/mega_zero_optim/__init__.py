@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from mega_zero_optim.accumulate import accumulate_grad
 from mega_zero_optim.bucket import BucketState
 from mega_zero_optim.clip import ShardMetadata
 from mega_zero_optim.ddp import BucketInfo, DistributedDataParallel
@@ -27,5 +28,6 @@ __all__ = [
     "ShardMetadata",
     "StepResult",
     "__version__",
+    "accumulate_grad",
     "owned_pieces",
 ]

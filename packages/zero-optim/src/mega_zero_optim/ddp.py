@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from mega_zero_optim.accumulate import accumulate_grad
 from mega_zero_optim.bucket import Bucket, BucketState
 from mega_zero_optim.buffer import ParamAndGradBuffer
 from mega_zero_optim.gather import ParamGatherer, assign_units, forward_passes
@@ -306,11 +307,9 @@ class DistributedDataParallel(nn.Module):
                         "zero_grad_buffer() before each step's first backward and run all but "
                         "the last microbatch's backward inside no_sync()"
                     )
-            if param.grad is not None:
-                if self.grad_scale == 1.0 and not buffer.holds_grad(index):
-                    main_grad.copy_(param.grad)  # the step's first: no need to read the zeros
-                else:
-                    main_grad.add_(param.grad, alpha=self.grad_scale)
+            if param.grad is not None:  # the step's first need not read the zeros
+                first = not buffer.holds_grad(index)
+                accumulate_grad(main_grad, param.grad, alpha=self.grad_scale, first=first)
                 buffer.mark_holds_grad(index)
                 param.grad = None
             if self._sync_enabled and self.overlap_grad_reduce:
@@ -329,7 +328,7 @@ class DistributedDataParallel(nn.Module):
         def hook(param: torch.Tensor) -> None:
             bucket.open_grads()  # allocates the full gradients; a new microbatch reopens
             if param.grad is not None:
-                main_grad.add_(param.grad, alpha=self.grad_scale)
+                accumulate_grad(main_grad, param.grad, alpha=self.grad_scale)
                 param.grad = None
             if self._sync_enabled and self.overlap_grad_reduce and bucket.mark_ready(id(param)):
                 bucket.start_grad_sync()
