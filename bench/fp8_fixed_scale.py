@@ -16,7 +16,6 @@ still records each amax, a reduction fused into the same kernels). All arguments
 
 from __future__ import annotations
 
-import runpy
 import sys
 from pathlib import Path
 
@@ -34,7 +33,11 @@ def _fixed(
 
 
 if __name__ == "__main__":
-    fp8.fp8_quantize = _fixed  # looked up at call time by _Fp8Linear and shared_grad
-    sys.argv = [str(Path(__file__).with_name("mega_step.py")), *sys.argv[1:], "--tag",
-                "fixed-scale"]  # fmt: skip
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    # looked up at call time by _Fp8Linear and shared_grad; a function of this (real)
+    # __main__ module, so that Dynamo's guards on it resolve
+    fp8.fp8_quantize = _fixed
+    sys.path.insert(0, str(Path(__file__).parent))
+    import mega_step
+
+    sys.argv = [sys.argv[0], *sys.argv[1:], "--tag", "fixed-scale"]
+    mega_step.main()

@@ -59,6 +59,22 @@ def _raw(a: Fp8Tiles, b: Fp8Tiles, fast: bool) -> Tensor:
     return out.float()
 
 
+def _patch_row_clone() -> None:
+    """The row GEMM returns a fresh tensor even when its dtype is already the one asked."""
+    import mega_tp_layers.fp8_scaling as fs
+
+    def row(a: Fp8Tiles, b: Fp8Tiles, out_dtype: torch.dtype, fast: bool) -> Tensor:
+        out: Tensor = torch._scaled_mm(
+            a.data.contiguous(), b.data.t().contiguous().t(),
+            scale_a=a.inv_scale.reshape(-1).view(a.inv_scale.shape),
+            scale_b=b.inv_scale.reshape(-1).view(b.inv_scale.shape),
+            out_dtype=out_dtype, use_fast_accum=fast,
+        )  # fmt: skip
+        return out
+
+    fs._row_scaled_mm = row
+
+
 def _linears(
     backends: list[str], name: str, recipe: Fp8Recipe, x: Tensor, w: Tensor, dy: Tensor,
     rows: dict[str, str],
@@ -97,6 +113,14 @@ def main() -> None:
                          "aot_eager (AOTAutograd's graphs run eagerly), "
                          "aot_eager_decomp_partition, inductor")  # fmt: skip
     ap.add_argument("--linear-only", action="store_true", help="only the linear lines")
+    ap.add_argument(
+        "--explain",
+        action="store_true",
+        help="graph breaks of the compiled linear per scaling (torch._dynamo.explain)",
+    )
+    ap.add_argument("--same-dtype-alias", choices=("keep", "clone"), default="keep",
+                    help="clone: the row GEMM's bf16 result is cloned rather than returned "
+                         "by a no-op .to(bf16), which returns its input itself")  # fmt: skip
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -108,6 +132,17 @@ def main() -> None:
     w = (torch.randn(a.n, a.k, generator=gen) * a.k**-0.5).to(device, dtype)
     dy = torch.randn(a.m, a.n, generator=gen).to(device, dtype)
     rows: dict[str, str] = {}
+    if a.same_dtype_alias == "clone":
+        _patch_row_clone()
+    if a.explain:
+        for scaling in ("tensor", "row", "block"):
+            rec = Fp8Recipe(scaling=scaling)  # type: ignore[arg-type]
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+            ex = torch._dynamo.explain(lambda xx, ww, r=rec: fp8_linear(xx, ww, recipe=r))(xl, wl)
+            reasons = "; ".join(str(b.reason)[:160] for b in ex.break_reasons)
+            print(f"explain {scaling}: {ex.graph_count} graphs, {ex.graph_break_count} breaks "
+                  f"{reasons}", flush=True)  # fmt: skip
+            torch._dynamo.reset()
 
     def line(label: str, fn: object, *args: object) -> None:
         try:

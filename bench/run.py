@@ -304,6 +304,10 @@ SUITES: dict[str, Suite] = {
         ("hybrid old ssd", 150, "PYTHONPATH=.snap/ssd_old/packages/models/src:$PYTHONPATH "
                                 "python3 bench/hybrid_vs_gpt.py --compile --only hybrid"),
     ],
+    # the eighth session's second call: issue 22's table (target22's lines) with the hybrid
+    # before/after the SSD scores change, FP8 with fixed scales, the row-wise FP8 trace checks
+    # and deepseek-3b at 8 micro-batches
+    "final8": [],
     "probe7c": [
         ("hybrid old ssd", 150, "PYTHONPATH=.snap/ssd_old/packages/models/src:$PYTHONPATH "
                                 "python3 bench/hybrid_vs_gpt.py --compile --only hybrid"),
@@ -351,6 +355,37 @@ SUITES: dict[str, Suite] = {
                              "--pp-layers 13,11 --compile"),
     ],
 }  # fmt: skip
+SUITES["final8"] = [
+    *[line for line in SUITES["target22"] if "accum" not in line[0]],
+    ("hybrid old ssd", 150, "PYTHONPATH=.snap/ssd_old/packages/models/src:$PYTHONPATH "
+                            "python3 bench/hybrid_vs_gpt.py --compile --only hybrid"),
+    ("fp8 fixed scale", 110, "python3 bench/fp8_fixed_scale.py --size 1b-bench --mb 8 --compile "
+                             "--fp8 --steps 10 --warmup 3"),
+    *[line for line in SUITES["target22"] if "accum" in line[0]],
+    ("fp8 row explain", 60, "python3 bench/fp8_row_probe.py --linear-only --explain "
+                            "--backends aot_eager"),
+    ("fp8 row clone", 60, "python3 bench/fp8_row_probe.py --linear-only --backends "
+                          "aot_eager,inductor --same-dtype-alias clone"),
+    ("deepseek-3b accum 8", 200, f"{_STEP} --size deepseek-3b --mb 4 --accum 8 --compile "
+                                 "--steps 4 --warmup 2"),
+]  # fmt: skip
+
+# the same, cut to what ~400 s of device time holds, in the order of its worth
+SUITES["final8b"] = [
+    ("fp8 row clone", 60, "python3 bench/fp8_row_probe.py --linear-only --backends "
+                          "aot_eager,inductor --same-dtype-alias clone"),
+    ("fp8 row explain", 60, "python3 bench/fp8_row_probe.py --linear-only --explain "
+                            "--backends aot_eager"),
+    ("ceiling", 60, _CEILING),
+    ("mega compile", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --steps 10 --warmup 3"),
+    ("mega compile fp8", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --steps 10 "
+                              "--warmup 3"),
+    ("fp8 fixed scale", 110, "python3 bench/fp8_fixed_scale.py --size 1b-bench --mb 8 --compile "
+                             "--fp8 --steps 10 --warmup 3"),
+    ("deepseek-3b accum 8", 200, f"{_STEP} --size deepseek-3b --mb 4 --accum 8 --compile "
+                                 "--steps 4 --warmup 2"),
+    ("hybrid vs gpt", 220, "python3 bench/hybrid_vs_gpt.py --compile"),
+]  # fmt: skip
 
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
