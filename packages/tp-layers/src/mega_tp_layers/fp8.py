@@ -47,6 +47,7 @@ from mega_tp_layers.fp8_scaling import (
     SCALINGS,
     Fp8Shard,
     Fp8Tiles,
+    as_dtype,
     operand_tile,
     quantize_tiles,
     tiled_gemm,
@@ -224,7 +225,7 @@ def scaled_gemm(
     device = a.data.device
     if recipe.emulated_on(device):
         acc = a.data.float() @ b.data.float()  # products of fp8 values are exact in fp32
-        return (acc * (a.inv_scale * b.inv_scale)).to(out_dtype)
+        return as_dtype(acc * (a.inv_scale * b.inv_scale), out_dtype)
     if not fp8_gemm_supported(device):
         raise ValueError(
             f"Fp8Recipe(emulate=False) needs a CUDA device of compute capability 8.9 or newer "
@@ -309,7 +310,7 @@ def fp8_linear_forward(
     dims = (x2d.shape[0], x2d.shape[1], weight.shape[0])
     if not fp8_gemm_fits(*dims):
         warn_unaligned("forward", dims)
-        return (x2d @ weight.t()).to(out_dtype)
+        return as_dtype(x2d @ weight.t(), out_dtype)
     if recipe.scaling != "tensor":
         xt = _tiles(x2d, recipe.fwd_dtype, recipe, 1, False, x_group, "the input")
         wt = _tiles(weight, recipe.fwd_dtype, recipe, 1, True, w_group, "the weight")
@@ -340,7 +341,7 @@ def fp8_linear_dgrad(
     dims = (weight.shape[0], weight.shape[1], _rows(grad2d))
     if not fp8_gemm_fits(*dims):
         warn_unaligned("dgrad", dims)
-        return (_grad_values(grad2d).to(weight.dtype) @ weight).to(out_dtype)
+        return as_dtype(_grad_values(grad2d).to(weight.dtype) @ weight, out_dtype)
     if recipe.scaling != "tensor":
         gt = _tiles(_plain(grad2d, recipe), recipe.grad_format, recipe, 1, False, g_group,
                     "the output gradient")  # fmt: skip
@@ -375,7 +376,7 @@ def fp8_linear_wgrad(
     if not fp8_gemm_fits(*dims):
         warn_unaligned("wgrad", dims)
         x_hp = x2d.dequantize() if isinstance(x2d, Fp8Tensor) else x2d
-        return (_grad_values(grad2d).to(x_hp.dtype).t() @ x_hp).to(out_dtype)
+        return as_dtype(_grad_values(grad2d).to(x_hp.dtype).t() @ x_hp, out_dtype)
     if recipe.scaling != "tensor":  # both along the tokens: 128x1 tiles or per column
         gt = _tiles(_plain(grad2d, recipe), recipe.grad_format, recipe, 0, False, g_group,
                     "the output gradient")  # fmt: skip

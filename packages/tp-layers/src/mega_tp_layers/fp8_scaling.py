@@ -61,6 +61,7 @@ __all__ = [
     "SCALINGS",
     "Fp8Shard",
     "Fp8Tiles",
+    "as_dtype",
     "check_fp8_layout",
     "quantize_tiles",
     "tiled_gemm",
@@ -168,10 +169,12 @@ def emulated_tiled_gemm(a: Fp8Tiles, b: Fp8Tiles) -> Tensor:
     s_a = a.inv_scale.repeat_interleave(a.tile[0], dim=0)[:m]  # [M, KB]
     s_b = b.inv_scale.repeat_interleave(b.tile[1], dim=1)[:, :n]  # [KB, N]
     qa, qb = a.data.float(), b.data.float()
-    out = torch.zeros(m, n, dtype=torch.float32, device=qa.device)
+    out: Tensor | None = None  # no in-place sum: see as_dtype (torch 2.11's Dynamo)
     for i, start in enumerate(range(0, k, kblk)):
         part = qa[:, start : start + kblk] @ qb[start : start + kblk]  # exact products
-        out += part * (s_a[:, i : i + 1] * s_b[i : i + 1, :])
+        term = part * (s_a[:, i : i + 1] * s_b[i : i + 1, :])
+        out = term if out is None else out + term
+    assert out is not None, f"a K={k} GEMM has no K block"
     return out
 
 
@@ -184,7 +187,7 @@ def tiled_gemm(
     device = a.data.device
     fast = forward and recipe.fast_accum_forward
     if recipe.emulated_on(device):
-        return emulated_tiled_gemm(a, b).to(out_dtype)
+        return as_dtype(emulated_tiled_gemm(a, b), out_dtype)
     if not fp8_gemm_supported(device):
         raise ValueError(
             f"Fp8Recipe(emulate=False) needs a CUDA device of compute capability 8.9 or newer "
@@ -194,7 +197,7 @@ def tiled_gemm(
         return _row_scaled_mm(a, b, out_dtype, fast)
     if not _blockwise_available(a.data.shape[1], device):
         _warn_emulated_blocks(torch.__version__)
-        return emulated_tiled_gemm(a, b).to(out_dtype)
+        return as_dtype(emulated_tiled_gemm(a, b), out_dtype)
     return _block_scaled_mm(a, b, out_dtype, fast)
 
 
@@ -208,7 +211,16 @@ def _row_scaled_mm(a: Fp8Tiles, b: Fp8Tiles, out_dtype: torch.dtype, fast: bool)
         out_dtype=torch.bfloat16,  # row-wise scaling gives bf16 only
         use_fast_accum=fast,
     )
-    return out.to(out_dtype)
+    return as_dtype(out, out_dtype)
+
+
+def as_dtype(out: Tensor, dtype: torch.dtype) -> Tensor:
+    """``out`` in ``dtype``, never through a no-op ``.to``: torch 2.11's Dynamo, tracing
+    ``_Fp8Linear`` whose GEMM ended in ``out.to(out.dtype)``, gave its backward zeros for the
+    output gradient (row-wise FP8's zero dx and dw under ``torch.compile`` on the GPU; on CPU
+    under 2.11 the emulated GEMMs of every scaling in fp32, 2026-12-06). Every GEMM result
+    of the FP8 paths goes through this."""
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def _dense(scale: Tensor) -> Tensor:
@@ -267,7 +279,7 @@ def _block_scaled_mm(a: Fp8Tiles, b: Fp8Tiles, out_dtype: torch.dtype, fast: boo
         output_dtype=torch.bfloat16,
         use_fast_accum=fast,
     )
-    return out.to(out_dtype)
+    return as_dtype(out, out_dtype)
 
 
 def operand_tile(scaling: str, contracted: int, weight: bool) -> tuple[int, int]:
