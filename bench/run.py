@@ -372,10 +372,7 @@ SUITES["final8"] = [
 
 # the same, cut to what ~400 s of device time holds, in the order of its worth
 SUITES["final8b"] = [
-    ("fp8 row clone", 60, "python3 bench/fp8_row_probe.py --linear-only --backends "
-                          "aot_eager,inductor --same-dtype-alias clone"),
-    ("fp8 row explain", 60, "python3 bench/fp8_row_probe.py --linear-only --explain "
-                            "--backends aot_eager"),
+    ("fp8 compile check", 120, "python3 bench/fp8_compile_check.py --scalings tensor,row,block"),
     ("ceiling", 60, _CEILING),
     ("mega compile", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --steps 10 --warmup 3"),
     ("mega compile fp8", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --steps 10 "
