@@ -386,6 +386,22 @@ SUITES["final8b"] = [
 # what ~100 s of device time holds: the FP8 fix's proof on the GPU
 SUITES["final8c"] = SUITES["final8b"][:1]
 
+# the ninth session's first call: the FP8 fix's proof, then compiled row- and block-wise FP8
+# beside tensor-wise and bf16, the fixed-scale bound, deepseek-3b at 8 micro-batches, the
+# hybrid beside GPT (~570 s)
+SUITES["s9a"] = [
+    SUITES["final8b"][0],
+    *[(f"mega compile fp8 {recipe}", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 "
+                                          f"--set train.fp8_recipe={recipe} --steps 10 --warmup 3")
+      for recipe in ("row", "tensor")],
+    SUITES["final8b"][4],
+    SUITES["final8b"][3],
+    SUITES["final8b"][5],
+    ("mega compile fp8 block", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 "
+                                     "--set train.fp8_recipe=block --steps 10 --warmup 3"),
+    SUITES["final8b"][2],
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
