@@ -187,7 +187,7 @@ SUITES: dict[str, Suite] = {
         ("mega compile fused ce", 180, f"{_STEP} --size 1b-bench --mb 8 --compile "
                                        "--set train.loss_chunk_size=4096"),
     ],
-    # every test that skips without CUDA (16 in CI), on the GPU
+    # every test that skips without CUDA (16 in CI), on the GPU, and every Triton kernel's tests
     "cuda-tests": [
         ("cuda-only tests", 400, "python3 -m pytest -q -rs "
                                  "packages/zero-optim/tests/test_offload.py::test_offload_on_cuda "
@@ -195,6 +195,7 @@ SUITES: dict[str, Suite] = {
                                  "packages/models/tests/test_split_backward.py::test_norm_split_on_cuda "
                                  "packages/models/tests/test_mla.py::test_latent_sdpa_padded_on_cuda_matches_fp32 "
                                  "packages/models/tests/test_ssd_triton.py packages/models/tests/test_mixer_triton.py "
+                                 "packages/zero-optim/tests/test_accumulate.py "
                                  "apps/pretrain/tests/test_compile_mode.py::test_cuda_graphs_train_like_the_default_mode "
                                  "apps/pretrain/tests/test_runtime.py::test_tf32_is_on_for_fp32_on_cuda "
                                  "apps/pretrain/tests/test_async_checkpoint.py::test_staging_from_the_gpu_into_pinned_buffers"),
