@@ -20,7 +20,11 @@ same inputs, with the gradient format as the variable:
 
 On the GPU (H100, torch 2.11, 2026-12-05) every piece compiled alone equalled eager, in e5m2
 and e4m3 alike, while the compiled ``linear`` gave zero ``dx`` and ``dw``: the defect is in
-how the row-wise branch of ``_Fp8Linear``'s backward is traced, not in a kernel.
+how the row-wise branch of ``_Fp8Linear``'s backward is traced, not in a kernel. The cause
+(found on CPU under torch 2.11): the GEMM result returned through a no-op ``.to(dtype)``,
+which AOTAutograd's backward graph replaced by zeros; ``fp8_scaling.as_dtype`` mends it, and
+compiled row-wise gave eager's gradients on an H100 (2026-12-06). Kept as the tool for the
+next such defect.
 
 Each line prints the cosine and relative error of compiled against eager, and of eager
 against the fp32 product of the same values; a cosine near 0 or a zero norm names the piece.

@@ -95,13 +95,6 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             f"train.fp8_recipe ({t.fp8_recipe}) applies only with train.fp8 true; set "
             "train.fp8 true or leave train.fp8_recipe at tensor"
         )
-    if t.fp8 and t.fp8_recipe == "row" and t.compile:
-        raise ValueError(
-            "train.fp8_recipe row is refused under train.compile true: compiled, the row-wise "
-            "linear's backward gave zero input and weight gradients on the GPU (torch 2.11, "
-            "2026-12-05) while each of its pieces compiled alone was right; set "
-            "train.compile false, or train.fp8_recipe tensor or block"
-        )
     if t.fp8 and precision != "bf16":
         raise ValueError(
             f"train.fp8 needs train.precision bf16, not {t.precision}"

@@ -104,9 +104,9 @@ class Fp8Recipe:
     scaling: Literal["tensor", "row", "block"] = "tensor"
     """One scale per tensor; per row along each operand's non-contracted dimension; or per
     1x128 tile of activations and gradients and 128x128 block of weights (``fp8_scaling``).
-    Under ``torch.compile`` on the GPU (torch 2.11, 2026-12-05) block-wise gave eager's
-    gradients; row-wise gave zero input and weight gradients although its quantisation and
-    GEMMs compiled alone were right (``bench/fp8_row_probe.py``), so the trainer refuses it."""
+    Under ``torch.compile`` on the GPU (torch 2.11) all three give eager's gradients
+    (``bench/fp8_compile_check.py``: block-wise on the H200, 2026-12-05; row-wise on an H100,
+    2026-12-06, after its GEMM results stopped passing through a no-op cast)."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:

@@ -34,9 +34,11 @@ On CUDA, row-wise GEMMs run ``torch._scaled_mm`` with ``[M, 1]`` / ``[1, N]`` fp
 (bf16 output); block-wise GEMMs run ``torch.nn.functional.scaled_mm`` with
 ``ScalingType.BlockWise1x128`` / ``BlockWise128x128`` where this torch has it (sm90, CUDA
 12.9+, K a multiple of 128), else the exact emulation on the GPU with one warning. On the
-H200 (torch 2.11, 2026-12-01) eager row-wise trained like bf16, compiled row-wise did not
-(the trainer refuses it), and the block-wise forward ran; CPU tests see the exact emulation:
-the same fp8 values widened to fp32, the same scales.
+H200 (torch 2.11, 2026-12-01) eager row-wise trained like bf16 and the block-wise forward
+ran. Compiled, row-wise first gave zero gradients (a no-op cast on a GEMM result, see
+:func:`as_dtype`); since that fix (an H100, torch 2.11, 2026-12-06) every recipe's compiled
+layer gives eager's gradients. CPU tests see the exact emulation: the same fp8 values
+widened to fp32, the same scales.
 """
 
 from __future__ import annotations
