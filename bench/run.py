@@ -64,14 +64,19 @@ SUITES: dict[str, Suite] = {
         ("torch bf16 compile", 180, f"{_TORCH} --mb 8 --compile --precision bf16"),
         ("torch eager", 150, f"{_TORCH} --mb 8"),
     ],
-    # issue 22's side-by-side in one call (~540 s; carry .whl with liger-kernel's wheel): the
-    # ceiling, mega compiled bf16 and FP8 beside the plain-PyTorch references and Liger, the
-    # hybrid beside GPT, the two MoE sizes accumulating 4 micro-batches a step
+    # issue 22's side-by-side in one call (~600 s; carry .whl with liger-kernel's wheel): the
+    # ceiling, mega compiled bf16 and FP8 (tensor-, row-, block-wise) beside the plain-PyTorch
+    # references and Liger, the hybrid beside GPT, the two MoE sizes accumulating 4
+    # micro-batches a step
     "target22": [
         ("ceiling", 60, _CEILING),
         ("mega compile", 150, f"{_STEP} --size 1b-bench --mb 8 --compile --steps 10 --warmup 3"),
         ("mega compile fp8", 150, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --steps 10 "
                                   "--warmup 3"),
+        *[(f"mega compile fp8 {recipe}", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 "
+                                               f"--set train.fp8_recipe={recipe} --steps 10 "
+                                               "--warmup 3")
+          for recipe in ("row", "block")],
         ("torch compile", 150, f"{_TORCH} --mb 8 --compile --steps 10 --warmup 3"),
         ("torch bf16 compile", 150, f"{_TORCH} --mb 8 --compile --precision bf16 --steps 10 "
                                     "--warmup 3"),
