@@ -33,6 +33,15 @@ _STEP = "python3 bench/mega_step.py"
 _TORCH = "python3 bench/peers/torch_ref.py"
 _CEILING = "python3 bench/peers/ceiling.py"
 _TORCHRUN2 = "torchrun --standalone --nproc-per-node 2"
+
+
+def _fp8_recipe_step(recipe: str, timeout: int = 110) -> tuple[str, int, str]:
+    """``1b-bench`` compiled with FP8 GEMMs scaled by ``recipe`` (tensor, row or block)."""
+    return (f"mega compile fp8 {recipe}", timeout,
+            f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --set train.fp8_recipe={recipe} "
+            "--steps 10 --warmup 3")  # fmt: skip
+
+
 _TRAIN = (
     "python3 -m mega_pretrain --train.compile true --train.steps 12 --train.log_interval 4 "
     "--train.eval_interval 0 --checkpoint.save_interval 0 --run.out_dir /tmp/runs"
@@ -73,10 +82,7 @@ SUITES: dict[str, Suite] = {
         ("mega compile", 150, f"{_STEP} --size 1b-bench --mb 8 --compile --steps 10 --warmup 3"),
         ("mega compile fp8", 150, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --steps 10 "
                                   "--warmup 3"),
-        *[(f"mega compile fp8 {recipe}", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 "
-                                               f"--set train.fp8_recipe={recipe} --steps 10 "
-                                               "--warmup 3")
-          for recipe in ("row", "block")],
+        *[_fp8_recipe_step(recipe) for recipe in ("row", "block")],
         ("torch compile", 150, f"{_TORCH} --mb 8 --compile --steps 10 --warmup 3"),
         ("torch bf16 compile", 150, f"{_TORCH} --mb 8 --compile --precision bf16 --steps 10 "
                                     "--warmup 3"),
@@ -321,8 +327,7 @@ SUITES: dict[str, Suite] = {
         ("mega compile", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --steps 10 --warmup 3"),
         ("mega compile fp8", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --steps 10 "
                                   "--warmup 3"),
-        ("mega compile fp8 block", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 "
-                                        "--set train.fp8_recipe=block --steps 10 --warmup 3"),
+        _fp8_recipe_step("block"),
     ],
     # the sixth session's first look: SDPA kernels alone, the mixer conv's backward profiled,
     # compiled row-wise FP8's causality, cuDNN attention in the step, MoE's kernel profile
@@ -397,14 +402,11 @@ SUITES["final8c"] = SUITES["final8b"][:1]
 # hybrid beside GPT (~570 s)
 SUITES["s9a"] = [
     SUITES["final8b"][0],
-    *[(f"mega compile fp8 {recipe}", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 "
-                                          f"--set train.fp8_recipe={recipe} --steps 10 --warmup 3")
-      for recipe in ("row", "tensor")],
+    *[_fp8_recipe_step(recipe) for recipe in ("row", "tensor")],
     SUITES["final8b"][4],
     SUITES["final8b"][3],
     SUITES["final8b"][5],
-    ("mega compile fp8 block", 110, f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 "
-                                     "--set train.fp8_recipe=block --steps 10 --warmup 3"),
+    _fp8_recipe_step("block"),
     SUITES["final8b"][2],
 ]  # fmt: skip
 
