@@ -414,6 +414,18 @@ SUITES["s9a"] = [
 # machine): the FP8 fix's proof and compiled row-wise speed, targets 3 and 4 re-measured
 SUITES["s9b"] = [SUITES["s9a"][i] for i in (0, 1, 4, 5)]
 
+# the tenth session's call: issue 22's table in one call, deepseek-3b accumulating 8
+# micro-batches (as training does) instead of 4, then the fixed-scale FP8 bound and a profile
+# of compiled row-wise FP8 if the budget leaves room (~560 s)
+SUITES["s10"] = [
+    *[line for line in SUITES["target22"] if not line[0].startswith("deepseek")],
+    SUITES["s9a"][4],
+    SUITES["s9a"][7],
+    ("profile fp8 row", 110,
+     f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --set train.fp8_recipe=row --steps 4 "
+     "--warmup 3 --profile 3"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
