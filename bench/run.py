@@ -206,7 +206,7 @@ SUITES: dict[str, Suite] = {
                                  "packages/models/tests/test_split_backward.py::test_norm_split_on_cuda "
                                  "packages/models/tests/test_mla.py::test_latent_sdpa_padded_on_cuda_matches_fp32 "
                                  "packages/models/tests/test_ssd_triton.py packages/models/tests/test_mixer_triton.py "
-                                 "packages/zero-optim/tests/test_accumulate.py "
+                                 "packages/zero-optim/tests/test_accumulate.py packages/moe/tests/test_wgrad_into_main_grad.py "
                                  "apps/pretrain/tests/test_compile_mode.py::test_cuda_graphs_train_like_the_default_mode "
                                  "apps/pretrain/tests/test_runtime.py::test_tf32_is_on_for_fp32_on_cuda "
                                  "apps/pretrain/tests/test_async_checkpoint.py::test_staging_from_the_gpu_into_pinned_buffers"),
@@ -424,6 +424,21 @@ SUITES["s10"] = [
     ("profile fp8 row", 110,
      f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --set train.fp8_recipe=row --steps 4 "
      "--warmup 3 --profile 3"),
+]  # fmt: skip
+
+# the tenth session's second call: the experts' weight gradients straight into main_grad
+# (mega_moe.wgrad_accum): the kernel's tests on the GPU, the kernel alone against grouped_mm
+# plus the accumulation, then deepseek-3b at 8 micro-batches with and without it (~520 s)
+_DEEPSEEK8 = f"{_STEP} --size deepseek-3b --mb 4 --accum 8 --compile --steps 4 --warmup 2"
+SUITES["s10b"] = [
+    ("wgrad kernel tests", 200, "python3 -m pytest -q -rs "
+                                "packages/moe/tests/test_wgrad_into_main_grad.py -k 'triton or cuda'"),
+    ("expert wgrad", 120, "python3 bench/expert_wgrad.py"),
+    ("deepseek-3b accum 8 fused", 170, _DEEPSEEK8),
+    ("deepseek-3b accum 8 unfused", 170,
+     f"{_DEEPSEEK8} --set parallel.wgrad_into_main_grad=false --tag unfused"),
+    ("moe-2b accum 4 fused", 150, f"{_STEP} --size moe-2b --mb 4 --accum 4 --compile "
+                                  "--steps 6 --warmup 2"),
 ]  # fmt: skip
 
 _ENV = {

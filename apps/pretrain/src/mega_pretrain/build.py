@@ -216,6 +216,7 @@ def _wrap(
         units += [d.layer for chunk in chunks for d in getattr(chunk, "mtp", None) or []]
     common: dict[str, Any] = {
         "bucket_size": p.bucket_size, "overlap_grad_reduce": p.overlap_grad_reduce,
+        "wgrad_into_main_grad": p.wgrad_into_main_grad,
     }  # fmt: skip
     # HSDP (parallel.dp_shard): the dense wrappers shard within dp_shard x cp and all-reduce
     # across the replicas; the experts shard within edp_shard (the part of edp inside one

@@ -12,6 +12,7 @@ from mega_moe.layer import MoELayer
 from mega_moe.recompute import is_recomputing, recomputing
 from mega_moe.router import Routing, RoutingStats, TopKRouter
 from mega_moe.shared import SharedExpertMLP
+from mega_moe.wgrad_accum import MAIN_GRAD_ALPHA_ATTR, WGRAD_FUSION_ATTR, grouped_wgrad_accumulate
 
 try:
     __version__ = importlib.metadata.version("mega-moe")
@@ -23,6 +24,8 @@ __all__ = [
     "DISPATCHERS",
     "EXPERT_ATTR",
     "EXPERT_IMPLS",
+    "MAIN_GRAD_ALPHA_ATTR",
+    "WGRAD_FUSION_ATTR",
     "AllGatherDispatcher",
     "AllToAllDispatcher",
     "Dispatched",
@@ -40,6 +43,7 @@ __all__ = [
     "__version__",
     "expert_shard",
     "gather_expert_weight",
+    "grouped_wgrad_accumulate",
     "is_recomputing",
     "moe_activated_params",
     "moe_aux_loss",

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.torch_version import TorchVersion
 
+from mega_moe.wgrad_accum import grouped_wgrad_accumulate
 from mega_tp_layers import WeightGradStore
 
 __all__ = ["expert_activation", "grouped_linear", "grouped_mm_available", "split_grouped_linear"]
@@ -123,11 +124,13 @@ class _SplitGroupedLinear(Function):
         use_grouped_mm: bool,
         params: tuple[Tensor],
         store: WeightGradStore,
+        into_main: tuple[Tensor, float] | None,
     ) -> Tensor:
         ctx.save_for_backward(x, weight, *([counts] if isinstance(counts, Tensor) else []))
         ctx.counts = None if isinstance(counts, Tensor) else counts
         # the parameter in a tuple: an edge to it would run its accumulator (and hooks) in B
         ctx.fast, ctx.params, ctx.store = use_grouped_mm, params, store
+        ctx.into_main = into_main
         return grouped_linear(x, weight, counts, use_grouped_mm)
 
     @staticmethod
@@ -137,16 +140,23 @@ class _SplitGroupedLinear(Function):
         fast, (param,) = ctx.fast, ctx.params
         grad = grad.contiguous()  # [M, out]
 
+        into_main = ctx.into_main
+
         def wgrad() -> tuple[Tensor | None, ...]:
+            if into_main is not None:  # see mega_moe.wgrad_accum: the wrapper drops the tensor
+                main, alpha = into_main
+                ends = _offsets(counts, x.device)
+                grouped_wgrad_accumulate(main, grad, x, ends, alpha, use_grouped_mm=fast)
+                return (torch.empty_like(param),)
             w = _grouped_wgrad(grad, x, counts, fast, weight.shape[0])  # [L, out, in]
             return (w.view(param.shape).to(param.dtype),)
 
         ctx.store.defer(wgrad, ctx.params)
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         # [M, out] -> [M, in]: rows of expert l times weight[l]
         grad_x = grouped_linear(grad, weight.transpose(1, 2), counts, fast)
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None
 
 
 def split_grouped_linear(
@@ -156,14 +166,17 @@ def split_grouped_linear(
     use_grouped_mm: bool,
     param: Tensor,
     store: WeightGradStore,
+    into_main: tuple[Tensor, float] | None = None,
 ) -> Tensor:
     """:func:`grouped_linear` whose weight gradient ``store`` computes in the W pass.
 
     ``weight`` is ``[L, out, in]``, a view of the parameter ``param`` (which receives the
-    gradient, in its own shape).
+    gradient, in its own shape). ``into_main``: ``(main, alpha)`` where the W pass adds
+    ``alpha`` times the gradient into ``main`` (``weight``'s shape, fp32) itself, as
+    :mod:`mega_moe.wgrad_accum` describes.
     """
     out: Tensor = _SplitGroupedLinear.apply(
-        x, weight.detach(), counts, use_grouped_mm, (param,), store
+        x, weight.detach(), counts, use_grouped_mm, (param,), store, into_main
     )
     return out
 

@@ -123,6 +123,12 @@ class DistributedDataParallel(nn.Module):
 
     Every rank's backward must produce gradients for the same parameters (the
     collectives of the buckets are matched by order).
+
+    ``wgrad_into_main_grad`` (ZeRO-1, fp32 gradients): a layer that marks a parameter
+    ``mega_wgrad_fusion`` (mega-moe's grouped experts) adds its weight gradient, times
+    ``grad_scale``, into ``main_grad`` inside its backward, and this wrapper skips its own
+    add for it: the bf16 gradient is never written nor read again (Megatron's
+    ``gradient_accumulation_fusion``). False: every gradient goes through ``.grad``.
     """
 
     def __init__(
@@ -142,6 +148,7 @@ class DistributedDataParallel(nn.Module):
         gather_units: Sequence[nn.Module] | None = None,
         prefetch: int = 1,
         replicate_group: ProcessGroup | None = None,
+        wgrad_into_main_grad: bool = True,
     ) -> None:
         super().__init__()
         _check_replicate_group(dp_group, replicate_group)
@@ -235,10 +242,14 @@ class DistributedDataParallel(nn.Module):
             )
             self.param_and_grad_buffers.append(sharded)
         self._handles: list[Any] = []
+        self._fused_wgrad: set[int] = set()  # ids of params whose layer adds into main_grad
         for buffer in self.param_and_grad_buffers:
             if broadcast_params and isinstance(buffer, ParamAndGradBuffer):
                 buffer.broadcast_params(dp_group, replicate_group)
             for index, p in enumerate(buffer.params):
+                offer = wgrad_into_main_grad and isinstance(buffer, ParamAndGradBuffer)
+                if _offer_wgrad_fusion(buffer, index, self.grad_scale, offer):
+                    self._fused_wgrad.add(id(p))
                 register = p.register_post_accumulate_grad_hook
                 if isinstance(buffer, ShardedBuffer):
                     self._handles.append(register(self._sharded_grad_hook(buffer, index)))  # type: ignore[no-untyped-call]
@@ -298,6 +309,7 @@ class DistributedDataParallel(nn.Module):
         main_grad = buffer.main_grads[index]
         buckets = [buffer.buckets[b] for b in buffer.buckets_of[id(buffer.params[index])]]
         name = buffer.names[index]
+        fused = id(buffer.params[index]) in self._fused_wgrad
 
         def hook(param: torch.Tensor) -> None:
             for bucket in buckets:
@@ -307,7 +319,10 @@ class DistributedDataParallel(nn.Module):
                         "zero_grad_buffer() before each step's first backward and run all but "
                         "the last microbatch's backward inside no_sync()"
                     )
-            if param.grad is not None:  # the step's first need not read the zeros
+            if fused and param.grad is not None:  # the layer added it (see __init__)
+                buffer.mark_holds_grad(index)
+                param.grad = None
+            elif param.grad is not None:  # the step's first need not read the zeros
                 first = not buffer.holds_grad(index)
                 accumulate_grad(main_grad, param.grad, alpha=self.grad_scale, first=first)
                 buffer.mark_holds_grad(index)
@@ -556,3 +571,24 @@ def _wait_for(buckets: list[Bucket | ShardedBucket]) -> Callable[[nn.Module, Any
                 bucket.finish_param_sync()
 
     return hook
+
+
+#: a layer marks a parameter whose weight gradient it can add into ``main_grad`` itself; the
+#: wrapper answers with the scale (mega-moe's ``GroupedMLP``; see ``mega_moe.wgrad_accum``)
+WGRAD_FUSION_ATTR = "mega_wgrad_fusion"
+MAIN_GRAD_ALPHA_ATTR = "mega_main_grad_alpha"
+
+
+def _offer_wgrad_fusion(
+    buffer: ParamAndGradBuffer | ShardedBuffer, index: int, grad_scale: float, offer: bool
+) -> bool:
+    """Let the layer of parameter ``index`` add its weight gradient into its fp32
+    ``main_grad`` (persistent, zeroed every step) where ``offer`` and the layer can; True
+    when offered. Otherwise any earlier wrapper's offer is withdrawn."""
+    param = buffer.params[index]
+    if offer and getattr(param, WGRAD_FUSION_ATTR, False) and buffer.grad_dtype == torch.float32:
+        setattr(param, MAIN_GRAD_ALPHA_ATTR, grad_scale)
+        return True
+    if hasattr(param, MAIN_GRAD_ALPHA_ATTR):
+        delattr(param, MAIN_GRAD_ALPHA_ATTR)
+    return False

@@ -1,0 +1,70 @@
+"""The grouped expert GEMM whose weight gradient goes straight into ``main_grad``.
+
+Forward as :func:`mega_moe._gemm.grouped_linear`; backward computes the input gradient
+(one grouped GEMM against the weights) and adds ``alpha * dy_l^T x_l`` into the
+parameter's fp32 ``main_grad`` (:func:`mega_moe.wgrad_accum.grouped_wgrad_accumulate`),
+handing autograd an uninitialised tensor for the weight so that its accumulator and the
+data-parallel wrapper's hook still run (the wrapper, having offered the fusion, does not
+add it). See :mod:`mega_moe.wgrad_accum` for the protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from mega_moe._gemm import _offsets, grouped_linear
+from mega_moe.wgrad_accum import grouped_wgrad_accumulate
+
+__all__ = ["main_grad_grouped_linear"]
+
+
+class _MainGradGroupedLinear(Function):
+    """fwd: :func:`grouped_linear` · bwd: input gradient, weight gradient into ``main``"""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        counts: list[int] | Tensor,
+        ends: Tensor,
+        use_grouped_mm: bool,
+        main: Tensor,
+        alpha: float,
+    ) -> Tensor:
+        host = None if isinstance(counts, Tensor) else counts
+        ctx.save_for_backward(x, weight, ends, main, *([] if host is not None else [counts]))
+        ctx.host_counts, ctx.fast, ctx.alpha = host, use_grouped_mm, alpha
+        return grouped_linear(x, weight, counts, use_grouped_mm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, ends, main, *device_counts = ctx.saved_tensors
+        counts = device_counts[0] if device_counts else ctx.host_counts
+        grad = grad.contiguous()  # [M, out]
+        grouped_wgrad_accumulate(main, grad, x, ends, ctx.alpha, use_grouped_mm=ctx.fast)
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # [M, out] -> [M, in]: rows of expert l times weight[l]
+            grad_x = grouped_linear(grad, weight.transpose(1, 2), counts, ctx.fast)
+        # what autograd hands the parameter's accumulator: never read (the wrapper that
+        # offered the fusion drops it), so not written either
+        return grad_x, torch.empty_like(weight), None, None, None, None, None
+
+
+def main_grad_grouped_linear(
+    x: Tensor,
+    weight: Tensor,
+    counts: list[int] | Tensor,
+    use_grouped_mm: bool,
+    main: Tensor,
+    alpha: float,
+) -> Tensor:
+    """:func:`grouped_linear` of ``x [M, in]`` and ``weight [L, out, in]`` whose backward
+    adds ``alpha`` times the weight gradient into ``main`` (``[L, out, in]`` fp32)."""
+    ends = _offsets(counts, x.device)
+    out: Tensor = _MainGradGroupedLinear.apply(x, weight, counts, ends, use_grouped_mm, main, alpha)
+    return out

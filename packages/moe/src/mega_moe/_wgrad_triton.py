@@ -1,0 +1,126 @@
+# mypy: ignore-errors
+"""The kernel behind :func:`~mega_moe.wgrad_accum.grouped_wgrad_accumulate` on CUDA.
+
+``main[l] += alpha * dy[rows_l]^T @ x[rows_l]`` for every expert ``l`` at once: one program
+per (expert, ``BLOCK_N x BLOCK_K`` tile of its weight gradient). It walks the expert's rows
+(``ends[l-1] .. ends[l]``) ``BLOCK_M`` at a time, accumulating the tile in fp32 registers,
+then reads the fp32 main gradient's tile once, adds and writes it back. The weight gradient
+never exists in memory: against a grouped GEMM that writes it in bf16 and a pass that adds
+it into ``main`` it saves the bf16 write and read and runs the fp32 read-modify-write
+inside the GEMM (where the expert blocks are short, as in fine-grained MoE, that pass costs
+as much as the GEMM). An expert with no rows leaves its tiles untouched.
+
+Imported only when called, so the package never needs triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["BLOCKS", "grouped_wgrad_accumulate_kernel"]
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): rows per step, the output tile, and
+#: the launch; 128x128 fp32 tiles are 64 KiB of accumulator over 8 warps
+BLOCKS = (64, 128, 128, 8, 3)
+
+
+@triton.jit
+def _kernel(
+    main_ptr, dy_ptr, x_ptr, ends_ptr, n, k, alpha,
+    stride_me, stride_mn, stride_dy, stride_x,
+    SCALE: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    expert = tl.program_id(1)
+    tiles_k = tl.cdiv(k, BLOCK_K)
+    tile_n = tl.program_id(0) // tiles_k
+    tile_k = tl.program_id(0) % tiles_k
+    end = tl.load(ends_ptr + expert).to(tl.int64)
+    start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int64)
+    if end > start:
+        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        rows = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for m in range(start, end, BLOCK_M):
+            r = m + rows
+            inside = r < end
+            a = tl.load(
+                dy_ptr + r[:, None] * stride_dy + offs_n[None, :],
+                mask=inside[:, None] & (offs_n[None, :] < n),
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_N]
+            b = tl.load(
+                x_ptr + r[:, None] * stride_x + offs_k[None, :],
+                mask=inside[:, None] & (offs_k[None, :] < k),
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
+            if WIDEN:  # the interpreter's dot misreads bf16 operands: give it fp32 (exact)
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(tl.trans(a), b, acc)
+        if SCALE:
+            acc = acc * alpha
+        where = (
+            main_ptr
+            + expert.to(tl.int64) * stride_me
+            + offs_n[:, None].to(tl.int64) * stride_mn
+            + offs_k[None, :]
+        )
+        keep = (offs_n[:, None] < n) & (offs_k[None, :] < k)
+        acc += tl.load(where, mask=keep, other=0.0)
+        tl.store(where, acc, mask=keep)
+
+
+#: what the GPU picks from, once per (N, K), timing each on the call's own operands (the
+#: main gradient restored after each trial: the kernel adds into it)
+TUNING = [
+    BLOCKS,
+    (64, 128, 256, 8, 3),
+    (64, 256, 128, 8, 3),
+    (128, 128, 128, 8, 3),
+    (64, 64, 128, 4, 4),
+    (32, 128, 128, 4, 4),
+]
+
+_tuned = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for m, bn, bk, w, st in TUNING
+    ],
+    key=["n", "k"],
+    restore_value=["main_ptr"],
+)(_kernel)
+
+
+def grouped_wgrad_accumulate_kernel(
+    main: Tensor, dy: Tensor, x: Tensor, ends: Tensor, alpha: float,
+    blocks: tuple[int, int, int, int, int] | None = None,
+) -> None:  # fmt: skip
+    """``main [L, N, K]`` fp32 (rows contiguous), ``dy [M, N]`` and ``x [M, K]`` (rows
+    contiguous, one dtype), ``ends [L]`` int32 on the device: the end row of each expert.
+
+    ``blocks``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; None: on CUDA the
+    fastest of :data:`TUNING`, in the interpreter :data:`BLOCKS`."""
+    experts, n, k = main.shape
+    args = (
+        main, dy, x, ends, n, k, float(alpha),
+        main.stride(0), main.stride(1), dy.stride(0), x.stride(0),
+    )  # fmt: skip
+    flags = {"SCALE": alpha != 1.0, "WIDEN": main.device.type == "cpu"}
+    if blocks is None and main.device.type == "cuda":
+
+        def grid(meta: dict[str, int]) -> tuple[int, int]:
+            tiles = triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"])
+            return (tiles, experts)
+
+        _tuned[grid](*args, **flags)
+        return
+    block_m, block_n, block_k, warps, stages = BLOCKS if blocks is None else blocks
+    fixed = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), experts)
+    _kernel[fixed](
+        *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip

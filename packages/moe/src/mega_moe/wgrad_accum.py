@@ -1,0 +1,144 @@
+"""Expert weight gradients accumulated straight into the data-parallel wrapper's fp32 buffer.
+
+Under bf16 training a data-parallel wrapper (mega-zero-optim's ``DistributedDataParallel``)
+keeps each parameter's gradient in an fp32 ``main_grad`` and, after every micro-batch, adds
+the bf16 ``.grad`` autograd produced into it: 12 bytes an element moved, every micro-batch.
+The experts hold most of a fine-grained MoE's parameters and see few tokens each, so that
+pass costs as much as their weight-gradient GEMMs (``deepseek-3b``: 3.0 of its 3.4 B
+parameters, ~770 tokens an expert per 8k-token micro-batch). Megatron fuses the
+accumulation into the GEMM (``gradient_accumulation_fusion``); so does this module.
+
+The protocol between the two packages, by parameter attribute (as ``main_grad`` itself):
+
+- a layer that can accumulate a parameter's weight gradient itself marks the parameter
+  ``mega_wgrad_fusion = True`` (:data:`WGRAD_FUSION_ATTR`; :class:`GroupedMLP` does);
+- a wrapper whose ``main_grad`` for that parameter is a persistent fp32 buffer, zeroed each
+  step, sets ``mega_main_grad_alpha`` (:data:`MAIN_GRAD_ALPHA_ATTR`) to the factor it would
+  scale the gradient by, and then does not add the ``.grad`` the layer hands autograd (an
+  uninitialised tensor, there only so that the accumulator and its hooks run);
+- the layer, seeing the attribute, adds ``alpha * dW`` into ``main_grad`` in its backward.
+
+:func:`grouped_wgrad_accumulate` is the accumulation: a Triton kernel of the project's own
+on CUDA (``mega_moe._wgrad_triton``), ``torch._grouped_mm`` or a loop of GEMMs and one add
+elsewhere. It is a ``torch.library`` custom op that mutates ``main``, so it runs as one
+opaque call inside compiled backward graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+__all__ = ["MAIN_GRAD_ALPHA_ATTR", "WGRAD_FUSION_ATTR", "grouped_wgrad_accumulate"]
+
+#: set to True by a layer on a parameter whose weight gradient it can accumulate itself
+WGRAD_FUSION_ATTR = "mega_wgrad_fusion"
+#: set by a data-parallel wrapper to the gradient's scale where the layer should accumulate
+MAIN_GRAD_ALPHA_ATTR = "mega_main_grad_alpha"
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@torch.library.custom_op("mega_moe::grouped_wgrad_accumulate", mutates_args=("main",))
+def _accumulate_op(
+    main: Tensor, dy: Tensor, x: Tensor, ends: Tensor, alpha: float, use_grouped_mm: bool
+) -> None:
+    if _kernel_applies(main, dy, x):
+        from mega_moe._wgrad_triton import grouped_wgrad_accumulate_kernel
+
+        grouped_wgrad_accumulate_kernel(main, dy, x, ends, alpha)
+        return
+    main.add_(_wgrad(dy, x, ends, use_grouped_mm), alpha=alpha)
+
+
+@_accumulate_op.register_fake
+def _(
+    main: Tensor, dy: Tensor, x: Tensor, ends: Tensor, alpha: float, use_grouped_mm: bool
+) -> None:
+    return None
+
+
+def _wgrad(dy: Tensor, x: Tensor, ends: Tensor, use_grouped_mm: bool) -> Tensor:
+    """``[L, N, K]``: ``dy_l^T @ x_l`` over each expert's rows (the grouped GEMM's in the
+    inputs' dtype, the loop's in fp32)."""
+    if use_grouped_mm:
+        out: Tensor = torch._grouped_mm(dy.t(), x, offs=ends)
+        return out
+    starts = [0, *ends.tolist()[:-1]]
+    # in fp32, as the kernel: the loop runs where speed matters little (CPU, no grouped GEMM)
+    return torch.stack(
+        [dy[a:b].t().float() @ x[a:b].float() for a, b in zip(starts, ends.tolist(), strict=True)]
+    )
+
+
+def grouped_wgrad_accumulate(
+    main: Tensor,
+    dy: Tensor,
+    x: Tensor,
+    ends: Tensor,
+    alpha: float = 1.0,
+    *,
+    use_grouped_mm: bool = False,
+) -> None:
+    """``main[l] += alpha * dy[rows of l]^T @ x[rows of l]`` for every expert ``l``.
+
+    ``main`` is ``[L, N, K]`` fp32, ``dy`` ``[M, N]`` and ``x`` ``[M, K]`` of one dtype with
+    each expert's rows contiguous, ``ends`` the ``[L]`` int32 end row of each expert's block
+    (on the device). An expert with no rows adds nothing. Without the kernel (CPU, fp32
+    inputs) the products are ``torch._grouped_mm``'s where ``use_grouped_mm`` (the caller
+    checked it runs: :func:`mega_moe._gemm.grouped_mm_available`), else a loop of GEMMs.
+    """
+    experts = main.shape[0]
+    if (
+        main.dim() != 3
+        or dy.dim() != 2
+        or x.dim() != 2
+        or main.shape[1:] != (dy.shape[1], x.shape[1])
+        or dy.shape[0] != x.shape[0]
+        or ends.shape != (experts,)
+    ):
+        raise ValueError(
+            f"grouped_wgrad_accumulate: main {tuple(main.shape)} must be [L, N, K] for dy "
+            f"{tuple(dy.shape)} = [M, N], x {tuple(x.shape)} = [M, K] and ends "
+            f"{tuple(ends.shape)} = [L]"
+        )
+    if main.dtype != torch.float32 or dy.dtype != x.dtype:
+        raise ValueError(
+            f"grouped_wgrad_accumulate: main must be float32 (got {main.dtype}) and dy, x of "
+            f"one dtype (got {dy.dtype}, {x.dtype})"
+        )
+    torch.ops.mega_moe.grouped_wgrad_accumulate(
+        main,
+        dy.contiguous(),
+        x.contiguous(),
+        ends.to(torch.int32),
+        float(alpha),
+        use_grouped_mm,
+    )
+
+
+def _kernel_applies(main: Tensor, dy: Tensor, x: Tensor) -> bool:
+    return (
+        _triton_enabled(main.device)
+        and dy.dtype in _KERNEL_DTYPES
+        and x.dtype == dy.dtype
+        and main.stride(2) == 1
+        and dy.stride(1) == 1
+        and x.stride(1) == 1
+        and dy.shape[0] > 0
+    )
+
+
+def _triton_enabled(device: torch.device) -> bool:
+    if device.type == "cpu":  # the interpreter runs CPU tensors, for the tests only
+        return os.environ.get("TRITON_INTERPRET") == "1" and _has_triton()
+    return device.type == "cuda" and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
