@@ -439,6 +439,8 @@ SUITES["s10b"] = [
      f"{_DEEPSEEK8} --set parallel.wgrad_into_main_grad=false --tag unfused"),
     ("moe-2b accum 4 fused", 150, f"{_STEP} --size moe-2b --mb 4 --accum 4 --compile "
                                   "--steps 6 --warmup 2"),
+    SUITES["s10"][-2],
+    SUITES["s10"][-1],
 ]  # fmt: skip
 
 _ENV = {
