@@ -443,6 +443,15 @@ SUITES["s10b"] = [
     SUITES["s10"][-1],
 ]  # fmt: skip
 
+# the tenth session's third call: s10b's wgrad lines again after the op stopped taking the
+# main gradient as a graph input (Inductor summed aliased inputs mutated in backward wrongly
+# and the autotuner's copy of one failed), then the hybrid beside GPT once more (~450 s)
+SUITES["s10c"] = [
+    SUITES["s10b"][0],
+    *SUITES["s10b"][2:5],
+    SUITES["target22"][8],
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -151,7 +151,7 @@ def _step(fused: bool, device_counts: bool, mode: str) -> dict[str, Tensor]:
         mlp, dp_group=groups.dp, use_distributed_optimizer=False, wgrad_into_main_grad=fused
     )  # all-reduced: every rank holds the whole gradient
     assert hasattr(mlp.weight1, MAIN_GRAD_ALPHA_ATTR) == fused
-    forward = torch.compile(mlp, backend="aot_eager", fullgraph=True) if mode == "compiled" else mlp
+    forward = torch.compile(mlp, fullgraph=True) if mode == "compiled" else mlp
     ddp.zero_grad_buffer()
     dp, rank = ddp.dp_size, dist.get_rank()
     gen = torch.Generator().manual_seed(5)

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.torch_version import TorchVersion
 
-from mega_moe.wgrad_accum import grouped_wgrad_accumulate
+from mega_moe.wgrad_accum import wgrad_into_main_grad
 from mega_tp_layers import WeightGradStore
 
 __all__ = ["expert_activation", "grouped_linear", "grouped_mm_available", "split_grouped_linear"]
@@ -124,7 +124,7 @@ class _SplitGroupedLinear(Function):
         use_grouped_mm: bool,
         params: tuple[Tensor],
         store: WeightGradStore,
-        into_main: tuple[Tensor, float] | None,
+        into_main: int | None,
     ) -> Tensor:
         ctx.save_for_backward(x, weight, *([counts] if isinstance(counts, Tensor) else []))
         ctx.counts = None if isinstance(counts, Tensor) else counts
@@ -144,10 +144,8 @@ class _SplitGroupedLinear(Function):
 
         def wgrad() -> tuple[Tensor | None, ...]:
             if into_main is not None:  # see mega_moe.wgrad_accum: the wrapper drops the tensor
-                main, alpha = into_main
                 ends = _offsets(counts, x.device)
-                grouped_wgrad_accumulate(main, grad, x, ends, alpha, use_grouped_mm=fast)
-                return (torch.empty_like(param),)
+                return (wgrad_into_main_grad(grad, x, ends, param, into_main, fast),)
             w = _grouped_wgrad(grad, x, counts, fast, weight.shape[0])  # [L, out, in]
             return (w.view(param.shape).to(param.dtype),)
 
@@ -166,13 +164,13 @@ def split_grouped_linear(
     use_grouped_mm: bool,
     param: Tensor,
     store: WeightGradStore,
-    into_main: tuple[Tensor, float] | None = None,
+    into_main: int | None = None,
 ) -> Tensor:
     """:func:`grouped_linear` whose weight gradient ``store`` computes in the W pass.
 
     ``weight`` is ``[L, out, in]``, a view of the parameter ``param`` (which receives the
-    gradient, in its own shape). ``into_main``: ``(main, alpha)`` where the W pass adds
-    ``alpha`` times the gradient into ``main`` (``weight``'s shape, fp32) itself, as
+    gradient, in its own shape). ``into_main``: the key (``register_wgrad_target``) under
+    which the W pass finds the ``main_grad`` it adds the gradient into itself, as
     :mod:`mega_moe.wgrad_accum` describes.
     """
     out: Tensor = _SplitGroupedLinear.apply(

@@ -1,29 +1,28 @@
 """The grouped expert GEMM whose weight gradient goes straight into ``main_grad``.
 
 Forward as :func:`mega_moe._gemm.grouped_linear`; backward computes the input gradient
-(one grouped GEMM against the weights) and adds ``alpha * dy_l^T x_l`` into the
-parameter's fp32 ``main_grad`` (:func:`mega_moe.wgrad_accum.grouped_wgrad_accumulate`),
-handing autograd an uninitialised tensor for the weight so that its accumulator and the
-data-parallel wrapper's hook still run (the wrapper, having offered the fusion, does not
-add it). See :mod:`mega_moe.wgrad_accum` for the protocol.
+(one grouped GEMM against the weights) and adds ``alpha * dy_l^T x_l`` into the weight's
+fp32 ``main_grad`` (:func:`mega_moe.wgrad_accum.wgrad_into_main_grad`, which finds it by the
+key the layer registered), handing autograd an uninitialised tensor for the weight so that
+its accumulator and the data-parallel wrapper's hook still run (the wrapper, having offered
+the fusion, does not add it). See :mod:`mega_moe.wgrad_accum` for the protocol.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.autograd import Function
 
 from mega_moe._gemm import _offsets, grouped_linear
-from mega_moe.wgrad_accum import grouped_wgrad_accumulate
+from mega_moe.wgrad_accum import wgrad_into_main_grad
 
 __all__ = ["main_grad_grouped_linear"]
 
 
 class _MainGradGroupedLinear(Function):
-    """fwd: :func:`grouped_linear` · bwd: input gradient, weight gradient into ``main``"""
+    """fwd: :func:`grouped_linear` · bwd: input gradient, weight gradient into ``main_grad``"""
 
     @staticmethod
     def forward(
@@ -33,38 +32,30 @@ class _MainGradGroupedLinear(Function):
         counts: list[int] | Tensor,
         ends: Tensor,
         use_grouped_mm: bool,
-        main: Tensor,
-        alpha: float,
+        key: int,
     ) -> Tensor:
         host = None if isinstance(counts, Tensor) else counts
-        ctx.save_for_backward(x, weight, ends, main, *([] if host is not None else [counts]))
-        ctx.host_counts, ctx.fast, ctx.alpha = host, use_grouped_mm, alpha
+        ctx.save_for_backward(x, weight, ends, *([] if host is not None else [counts]))
+        ctx.host_counts, ctx.fast, ctx.key = host, use_grouped_mm, key
         return grouped_linear(x, weight, counts, use_grouped_mm)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, ends, main, *device_counts = ctx.saved_tensors
+        x, weight, ends, *device_counts = ctx.saved_tensors
         counts = device_counts[0] if device_counts else ctx.host_counts
         grad = grad.contiguous()  # [M, out]
-        grouped_wgrad_accumulate(main, grad, x, ends, ctx.alpha, use_grouped_mm=ctx.fast)
+        grad_w = wgrad_into_main_grad(grad, x, ends, weight, ctx.key, ctx.fast)
         grad_x = None
         if ctx.needs_input_grad[0]:  # [M, out] -> [M, in]: rows of expert l times weight[l]
             grad_x = grouped_linear(grad, weight.transpose(1, 2), counts, ctx.fast)
-        # what autograd hands the parameter's accumulator: never read (the wrapper that
-        # offered the fusion drops it), so not written either
-        return grad_x, torch.empty_like(weight), None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def main_grad_grouped_linear(
-    x: Tensor,
-    weight: Tensor,
-    counts: list[int] | Tensor,
-    use_grouped_mm: bool,
-    main: Tensor,
-    alpha: float,
+    x: Tensor, weight: Tensor, counts: list[int] | Tensor, use_grouped_mm: bool, key: int
 ) -> Tensor:
     """:func:`grouped_linear` of ``x [M, in]`` and ``weight [L, out, in]`` whose backward
-    adds ``alpha`` times the weight gradient into ``main`` (``[L, out, in]`` fp32)."""
+    adds the weight gradient into the ``main_grad`` registered under ``key``."""
     ends = _offsets(counts, x.device)
-    out: Tensor = _MainGradGroupedLinear.apply(x, weight, counts, ends, use_grouped_mm, main, alpha)
+    out: Tensor = _MainGradGroupedLinear.apply(x, weight, counts, ends, use_grouped_mm, key)
     return out

@@ -35,7 +35,11 @@ from mega_moe._gemm import (
 from mega_moe._main_grad_gemm import main_grad_grouped_linear
 from mega_moe.config import Activation, GroupedGemm
 from mega_moe.expert_shard import EXPERT_ATTR, ExpertShard
-from mega_moe.wgrad_accum import MAIN_GRAD_ALPHA_ATTR, WGRAD_FUSION_ATTR
+from mega_moe.wgrad_accum import (
+    MAIN_GRAD_ALPHA_ATTR,
+    WGRAD_FUSION_ATTR,
+    register_wgrad_target,
+)
 from mega_tp_layers import (
     InitMethod,
     Normal,
@@ -316,6 +320,10 @@ class GroupedMLP(ShardedModule):
             _mark_expert(self, pname, lay.shard(first, lay.local, True, expert_shape))
             # its weight gradient can go straight into a wrapper's main_grad
             setattr(getattr(self, pname), WGRAD_FUSION_ATTR, True)
+        self._wgrad_keys = (
+            register_wgrad_target(self, "weight1"),
+            register_wgrad_target(self, "weight2"),
+        )
 
     def uses_grouped_mm(self, x: Tensor) -> bool:
         """Whether a forward on tokens like ``x`` runs ``torch._grouped_mm``."""
@@ -337,34 +345,28 @@ class GroupedMLP(ShardedModule):
         fast = self.uses_grouped_mm(x)
         w1 = self.weight1.flatten(1, 2)  # [L, G*ffn/etp, h]
         store = current_weight_grad_store() if self.weight1.requires_grad else None
-        main1, main2 = self._main_grads()
+        main1, main2 = self._main_grad_keys()
         if store is not None:  # the weight gradients wait for the W pass
             h = split_grouped_linear(x, w1, counts, fast, self.weight1, store, main1)
             a = expert_activation(h, self.layout.gated)
             return split_grouped_linear(a, self.weight2, counts, fast, self.weight2, store, main2)
         if main1 is not None and main2 is not None and torch.is_grad_enabled():
-            h = main_grad_grouped_linear(x, w1, counts, fast, *main1)
+            h = main_grad_grouped_linear(x, w1, counts, fast, main1)
             a = expert_activation(h, self.layout.gated)
-            return main_grad_grouped_linear(a, self.weight2, counts, fast, *main2)
+            return main_grad_grouped_linear(a, self.weight2, counts, fast, main2)
         h = grouped_linear(x, w1, counts, fast)  # [M, h] -> [M, G*ffn/etp]
         a = expert_activation(h, self.layout.gated)  # -> [M, ffn/etp]
         return grouped_linear(a, self.weight2, counts, fast)  # -> [M, h], partial over etp
 
-    def _main_grads(self) -> tuple[tuple[Tensor, float] | None, tuple[Tensor, float] | None]:
-        """``(main_grad, alpha)`` of each weight (``weight1``'s as ``[L, G*ffn/etp, h]``)
-        where a data-parallel wrapper offered to take its gradient there, else None; see
+    def _main_grad_keys(self) -> tuple[int | None, int | None]:
+        """Each weight's key (:func:`~mega_moe.wgrad_accum.register_wgrad_target`) where a
+        data-parallel wrapper offered to take its gradient in ``main_grad``, else None; see
         :mod:`mega_moe.wgrad_accum`."""
-        found: list[tuple[Tensor, float] | None] = []
-        for param in (self.weight1, self.weight2):
-            alpha = getattr(param, MAIN_GRAD_ALPHA_ATTR, None)
-            main = getattr(param, "main_grad", None)
-            if alpha is None or not isinstance(main, Tensor) or not param.requires_grad:
-                found.append(None)
-            else:  # .data: its own version counter, so the other weights' adds into the
-                # same buffer during backward do not invalidate what the GEMM saved
-                view = main.data.flatten(1, 2) if main.dim() == 4 else main.data
-                found.append((view, float(alpha)))
-        return found[0], found[1]
+        keys = []
+        for param, key in zip((self.weight1, self.weight2), self._wgrad_keys, strict=True):
+            offered = getattr(param, MAIN_GRAD_ALPHA_ATTR, None) is not None
+            keys.append(key if offered and param.requires_grad else None)
+        return keys[0], keys[1]
 
     def extra_repr(self) -> str:
         lay = self.layout

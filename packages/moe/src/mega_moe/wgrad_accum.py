@@ -20,20 +20,30 @@ The protocol between the two packages, by parameter attribute (as ``main_grad`` 
 
 :func:`grouped_wgrad_accumulate` is the accumulation: a Triton kernel of the project's own
 on CUDA (``mega_moe._wgrad_triton``), ``torch._grouped_mm`` or a loop of GEMMs and one add
-elsewhere. It is a ``torch.library`` custom op that mutates ``main``, so it runs as one
-opaque call inside compiled backward graphs.
+elsewhere. Inside backward the layer calls :func:`wgrad_into_main_grad`, a ``torch.library``
+custom op that finds the main gradient by a key, so compiled graphs keep it whole and never
+take the main gradient as an input.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import os
+import weakref
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["MAIN_GRAD_ALPHA_ATTR", "WGRAD_FUSION_ATTR", "grouped_wgrad_accumulate"]
+__all__ = [
+    "MAIN_GRAD_ALPHA_ATTR",
+    "WGRAD_FUSION_ATTR",
+    "grouped_wgrad_accumulate",
+    "main_grad_target",
+    "register_wgrad_target",
+    "wgrad_into_main_grad",
+]
 
 #: set to True by a layer on a parameter whose weight gradient it can accumulate itself
 WGRAD_FUSION_ATTR = "mega_wgrad_fusion"
@@ -43,8 +53,7 @@ MAIN_GRAD_ALPHA_ATTR = "mega_main_grad_alpha"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@torch.library.custom_op("mega_moe::grouped_wgrad_accumulate", mutates_args=("main",))
-def _accumulate_op(
+def _accumulate(
     main: Tensor, dy: Tensor, x: Tensor, ends: Tensor, alpha: float, use_grouped_mm: bool
 ) -> None:
     if _kernel_applies(main, dy, x):
@@ -55,11 +64,70 @@ def _accumulate_op(
     main.add_(_wgrad(dy, x, ends, use_grouped_mm), alpha=alpha)
 
 
-@_accumulate_op.register_fake
+#: key -> (the module, the weight's attribute name): where the op finds ``main_grad``
+_TARGETS: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
+_NEXT_KEY = itertools.count()
+
+
+def register_wgrad_target(module: nn.Module, name: str) -> int:
+    """A key under which :func:`wgrad_into_main_grad` finds ``getattr(module, name)``'s
+    ``main_grad`` and scale (the module is held weakly)."""
+    key = next(_NEXT_KEY)
+    _TARGETS[key] = (weakref.ref(module), name)
+    return key
+
+
+def main_grad_target(key: int) -> tuple[Tensor, float]:
+    """``(main_grad, alpha)`` of the weight registered under ``key``; one sentence where the
+    wrapper's offer is gone."""
+    ref, name = _TARGETS[key]
+    module = ref()
+    param = None if module is None else getattr(module, name, None)
+    main = getattr(param, "main_grad", None)
+    alpha = getattr(param, MAIN_GRAD_ALPHA_ATTR, None)
+    if not isinstance(main, Tensor) or alpha is None:
+        raise RuntimeError(
+            f"the weight gradient of {name!r} was to go into its main_grad, but its module or "
+            "the data-parallel wrapper's offer is gone; rebuild the wrapper before backward"
+        )
+    return main, float(alpha)
+
+
+@torch.library.custom_op("mega_moe::wgrad_into_main_grad", mutates_args=())
+def _into_main_grad_op(
+    dy: Tensor, x: Tensor, ends: Tensor, weight: Tensor, key: int, use_grouped_mm: bool
+) -> Tensor:
+    main, alpha = main_grad_target(key)
+    experts = main.shape[0]
+    _accumulate(main.view(experts, dy.shape[1], x.shape[1]), dy, x, ends, alpha, use_grouped_mm)
+    # what autograd hands the weight's accumulator: never read (the wrapper that offered the
+    # fusion drops it), so not written either
+    return torch.empty_like(weight)
+
+
+@_into_main_grad_op.register_fake
 def _(
-    main: Tensor, dy: Tensor, x: Tensor, ends: Tensor, alpha: float, use_grouped_mm: bool
-) -> None:
-    return None
+    dy: Tensor, x: Tensor, ends: Tensor, weight: Tensor, key: int, use_grouped_mm: bool
+) -> Tensor:
+    return torch.empty_like(weight)
+
+
+def wgrad_into_main_grad(
+    dy: Tensor, x: Tensor, ends: Tensor, weight: Tensor, key: int, use_grouped_mm: bool
+) -> Tensor:
+    """Add ``alpha * dy_l^T x_l`` into the ``main_grad`` of the weight registered under
+    ``key`` (:func:`register_wgrad_target`; ``alpha`` its wrapper's scale) and return the
+    uninitialised tensor that stands for ``weight``'s gradient.
+
+    A custom op that declares no mutation: the main gradient is not an input of the graphs
+    that call it, so the compiler never sees two views of the wrapper's one gradient buffer
+    as aliased inputs mutated in backward (which gave wrong sums on the GPU under Inductor,
+    2026-12-06). Its output is the weight's gradient, so it is never dropped as dead code.
+    """
+    out: Tensor = torch.ops.mega_moe.wgrad_into_main_grad(
+        dy.contiguous(), x.contiguous(), ends.to(torch.int32), weight, key, use_grouped_mm
+    )
+    return out
 
 
 def _wgrad(dy: Tensor, x: Tensor, ends: Tensor, use_grouped_mm: bool) -> Tensor:
@@ -111,13 +179,8 @@ def grouped_wgrad_accumulate(
             f"grouped_wgrad_accumulate: main must be float32 (got {main.dtype}) and dy, x of "
             f"one dtype (got {dy.dtype}, {x.dtype})"
         )
-    torch.ops.mega_moe.grouped_wgrad_accumulate(
-        main,
-        dy.contiguous(),
-        x.contiguous(),
-        ends.to(torch.int32),
-        float(alpha),
-        use_grouped_mm,
+    _accumulate(
+        main, dy.contiguous(), x.contiguous(), ends.to(torch.int32), float(alpha), use_grouped_mm
     )
 
 
