@@ -23,12 +23,16 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+# first match wins: Inductor's kernels first (their names list the ops they fused, e.g. a
+# quantisation kernel feeding a GEMM is ``triton_red_fused__scaled_mm_...``: counted as
+# gemm until 2026-12-06), then attention (cuDNN's names carry ``sm90_``) before the GEMMs
 KINDS = [
-    ("gemm", re.compile(r"gemm|cutlass|nvjet|sm90_|cublas|matmul|_mm_", re.I)),
+    ("triton", re.compile(r"^triton_", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|nvjet|sm90_|cublas|matmul|_mm_", re.I)),
     ("nccl", re.compile(r"nccl", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach|_amp_", re.I)),
-    ("triton", re.compile(r"^triton_|triton", re.I)),
+    ("triton", re.compile(r"triton", re.I)),
     ("copy/cast", re.compile(r"copy|cast|cat|convert|transpose|memcpy|memset|fill", re.I)),
     ("loss", re.compile(r"softmax|log_softmax|nll|cross_entropy", re.I)),
 ]
