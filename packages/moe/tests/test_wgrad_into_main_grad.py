@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mega_moe import GroupedMLP
-from mega_moe.wgrad_accum import MAIN_GRAD_ALPHA_ATTR, grouped_wgrad_accumulate
+from mega_moe.wgrad_accum import MAIN_GRAD_ALPHA_ATTR, grouped_wgrad_accumulate, main_grad_target
 from mega_parallel_grid import ParallelConfig, init_process_groups
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference
 from mega_tp_layers import defer_weight_grads
@@ -251,3 +251,39 @@ def test_fused_main_grad_on_cuda(dist_pool: DistPool, mode: str) -> None:
         err = float((fused[name] - want).abs().max())
         bound = 4 * 2.0**-9 * float(want.abs().max())
         assert 0 < float(want.abs().max()) and err <= bound, (name, err, bound)
+
+
+def _offers(sharding: str, fused: bool) -> tuple[bool, bool]:
+    """Whether the wrapper offers the fusion (ZeRO-1 with fp32 gradients only), and whether a
+    ZeRO-1 offer is withdrawn by a later wrapper that cannot make one."""
+    groups = init_process_groups(ParallelConfig())
+    mlp = GroupedMLP(H, FFN, E, seed=0)
+    DistributedDataParallel(mlp, dp_group=groups.dp, wgrad_into_main_grad=True)
+    first = hasattr(mlp.weight1, MAIN_GRAD_ALPHA_ATTR)
+    DistributedDataParallel(
+        mlp, dp_group=groups.dp, sharding=sharding, wgrad_into_main_grad=fused
+    )  # fmt: skip
+    return first, hasattr(mlp.weight1, MAIN_GRAD_ALPHA_ATTR)
+
+
+@pytest.mark.parametrize(
+    ("sharding", "fused", "offered"),
+    [("optimizer", True, True), ("optimizer", False, False), ("gradients", True, False)],
+)
+def test_offer_follows_the_wrapper(
+    dist_pool: DistPool, sharding: str, fused: bool, offered: bool
+) -> None:
+    first, second = dist_pool.run(_offers, 1, (sharding, fused))[0]
+    assert first and second == offered
+
+
+def test_a_vanished_offer_is_one_sentence() -> None:
+    """Backward after the wrapper's offer was withdrawn: one sentence, not a wrong sum."""
+    mlp = GroupedMLP(H, FFN, E, seed=0)
+    key = mlp._wgrad_keys[0]
+    with pytest.raises(RuntimeError, match="'weight1' was to go into its main_grad, but its"):
+        main_grad_target(key)
+    mlp.weight1.main_grad = torch.zeros_like(mlp.weight1)  # type: ignore[attr-defined]
+    setattr(mlp.weight1, MAIN_GRAD_ALPHA_ATTR, 0.5)
+    main, alpha = main_grad_target(key)
+    assert main is mlp.weight1.main_grad and alpha == 0.5  # type: ignore[attr-defined]
