@@ -198,7 +198,7 @@ SUITES: dict[str, Suite] = {
         ("mega compile fused ce", 180, f"{_STEP} --size 1b-bench --mb 8 --compile "
                                        "--set train.loss_chunk_size=4096"),
     ],
-    # every test that skips without CUDA (16 in CI), on the GPU, and every Triton kernel's tests
+    # every test that skips without CUDA (18 in CI), on the GPU, and every Triton kernel's tests
     "cuda-tests": [
         ("cuda-only tests", 400, "python3 -m pytest -q -rs "
                                  "packages/zero-optim/tests/test_offload.py::test_offload_on_cuda "
