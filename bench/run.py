@@ -462,6 +462,19 @@ SUITES["target22b"] = [
     SUITES["target22"][8],
 ]  # fmt: skip
 
+# the eleventh session's first call: delayed FP8 scaling (train.fp8_amax_history) beside
+# current scaling and bf16, compiled 1b-bench on one GPU; deepseek-3b at 8 micro-batches with
+# and without the fused expert weight gradients; a profile of the delayed step (~570 s)
+_DELAYED = f"{_STEP} --size 1b-bench --mb 8 --compile --fp8 --set train.fp8_amax_history=16"
+SUITES["s11"] = [
+    SUITES["target22"][1],
+    SUITES["target22"][2],
+    ("mega compile fp8 delayed", 170, f"{_DELAYED} --steps 10 --warmup 4"),
+    SUITES["s10b"][2],
+    ("profile fp8 delayed", 130, f"{_DELAYED} --steps 4 --warmup 4 --profile 3"),
+    SUITES["s10b"][3],
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

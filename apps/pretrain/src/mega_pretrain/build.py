@@ -22,7 +22,13 @@ from mega_pretrain.data.packing import packing_for
 from mega_pretrain.graphs import compile_kwargs
 from mega_pretrain.plan import resolve_model_config
 from mega_pretrain.runtime import resolve_precision
-from mega_tp_layers import SEQUENCE_PARALLEL_ATTR, Fp8Recipe, RNGStatesTracker, tp_rng_tracker
+from mega_tp_layers import (
+    SEQUENCE_PARALLEL_ATTR,
+    Fp8Recipe,
+    RNGStatesTracker,
+    set_fp8_grad_unit,
+    tp_rng_tracker,
+)
 from mega_zero_optim import DistributedDataParallel, DistributedOptimizer, DynamicLossScaler
 
 __all__ = [
@@ -122,12 +128,17 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         stage = stage_spec(model.num_layers, pp, rank, vpp, index, split)
         chunk = spec.build(
             model, groups, stage, cp_method=p.cp_method,
-            fp8=Fp8Recipe(scaling=t.fp8_recipe) if t.fp8 else False,
+            fp8=Fp8Recipe(scaling=t.fp8_recipe, amax_history=t.fp8_amax_history)
+            if t.fp8
+            else False,
             tp_comm_overlap=p.tp_comm_overlap, **kwargs,
         )  # fmt: skip
         if isinstance(chunk, OverlappedStage):  # DualPipeV's pairs overlapped, or apart
             chunk.overlap_pairs = p.dualpipev_overlap
         chunks.append(cast(ModelChunk, chunk))
+    # delayed fp8 scaling: each rank's output gradients are dp x cp times one process's
+    # (StepRunner's loss normalisation); the histories keep one process's amaxes
+    set_fp8_grad_unit(chunks, groups.size("dp") * groups.size("cp"))
     if t.loss_chunk_size:  # the fused output layer + loss: no [tokens, vocab] logits
         n = t.loss_chunk_size
         for chunk in chunks:

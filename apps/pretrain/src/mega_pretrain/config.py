@@ -201,6 +201,13 @@ class TrainConfig:
     layers' split dimensions must be multiples of 128). Each runs eager or compiled (on the
     GPU each compiled layer matched eager gradient for gradient, bench/RESULTS.md). Compiled
     on an H100, `1b-bench` ran tensor-wise at 1.17x bf16 and row-wise at 1.08x."""
+    fp8_amax_history: int = 0
+    """With ``train.fp8`` and the tensor recipe: 0 scales each GEMM operand by its current
+    amax; n > 0 scales the layers' inputs and output gradients by the max amax of the last
+    n steps (delayed scaling, Megatron's ``fp8_amax_history_len``), so under
+    ``torch.compile`` the casts can fuse into the kernels producing those tensors. The
+    first step scales by the current amax; the histories are maxed over tp x dp x cp once a
+    step (every layout scales as one process does) and saved in checkpoints."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     compile: bool = False

@@ -25,7 +25,7 @@ from mega_pipeline import (
 )
 from mega_pretrain.build import Built
 from mega_pretrain.phase_timer import PhaseTimer
-from mega_tp_layers import defer_weight_grads
+from mega_tp_layers import defer_weight_grads, discard_fp8_amaxes, update_fp8_amax_histories
 from mega_zero_optim import StepResult
 
 __all__ = ["Microbatch", "StepRunner"]
@@ -201,6 +201,10 @@ class StepRunner:
                 ddp.finish_grad_sync()
             finalize_model_grads(self.built.chunks, self.groups)
             result = optimizer.step()
+            if result.updated:  # delayed fp8 scaling: this step's amaxes, as one process's
+                update_fp8_amax_histories(self.built.chunks, self.groups.tp_dp_cp)
+            else:
+                discard_fp8_amaxes(self.built.chunks)
             if self.moe_layers:  # every tp x dp x cp replica of a router sees the same load
                 update_expert_biases(self.model, self.groups.tp_dp_cp)
         return loss, result
@@ -208,7 +212,9 @@ class StepRunner:
     @torch.no_grad()
     def discard_step(self) -> None:
         """After a skipped step (non-finite gradients): drop what its forwards counted
-        toward the next expert-bias update, as they drop their gradients."""
+        toward the next expert-bias update, and the amaxes recorded for delayed fp8 scaling,
+        as they drop their gradients."""
+        discard_fp8_amaxes(self.built.chunks)
         for layer in self.moe_layers:
             load = getattr(layer.router, "load", None)
             if isinstance(load, Tensor):

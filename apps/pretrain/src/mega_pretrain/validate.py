@@ -95,6 +95,24 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             f"train.fp8_recipe ({t.fp8_recipe}) applies only with train.fp8 true; set "
             "train.fp8 true or leave train.fp8_recipe at tensor"
         )
+    history = t.fp8_amax_history
+    if not isinstance(history, int) or isinstance(history, bool) or history < 0:
+        raise ValueError(
+            f"train.fp8_amax_history ({history!r}) must be a non-negative integer: 0 for "
+            "current scaling, n > 0 for delayed scaling over the last n steps"
+        )
+    if history and not (t.fp8 and t.fp8_recipe == "tensor"):
+        raise ValueError(
+            f"train.fp8_amax_history ({history}) is delayed scaling, which needs train.fp8 true "
+            f"and train.fp8_recipe tensor (got fp8={str(t.fp8).lower()}, recipe "
+            f"{t.fp8_recipe}); set those or train.fp8_amax_history 0"
+        )
+    if history and p.tp_comm_overlap:
+        raise ValueError(
+            f"train.fp8_amax_history ({history}) is not supported with "
+            "parallel.tp_comm_overlap true (its rings scale by the current amax); turn the "
+            "overlap off or set train.fp8_amax_history 0"
+        )
     if t.fp8 and precision != "bf16":
         raise ValueError(
             f"train.fp8 needs train.precision bf16, not {t.precision}"

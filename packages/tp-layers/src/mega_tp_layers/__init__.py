@@ -13,6 +13,14 @@ from mega_tp_layers.fp8 import (
     fp8_linear_forward,
     fp8_linear_wgrad,
 )
+from mega_tp_layers.fp8_delayed import (
+    Fp8AmaxHistory,
+    Fp8Delayed,
+    discard_fp8_amaxes,
+    refresh_fp8_amax_histories,
+    set_fp8_grad_unit,
+    update_fp8_amax_histories,
+)
 from mega_tp_layers.fused_cross_entropy import fused_linear_cross_entropy
 from mega_tp_layers.grads import (
     SEQUENCE_PARALLEL_ATTR,
@@ -79,6 +87,8 @@ __all__ = [
     "TP_RNG",
     "Backend",
     "ColumnParallelLinear",
+    "Fp8AmaxHistory",
+    "Fp8Delayed",
     "Fp8Recipe",
     "Fp8Shard",
     "InitMethod",
@@ -102,6 +112,7 @@ __all__ = [
     "creation_generator",
     "current_weight_grad_store",
     "defer_weight_grads",
+    "discard_fp8_amaxes",
     "fp8_autocast",
     "fp8_gemm_supported",
     "fp8_linear",
@@ -122,8 +133,10 @@ __all__ = [
     "param_generator",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
+    "refresh_fp8_amax_histories",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
+    "set_fp8_grad_unit",
     "set_shard_spec",
     "shard_spec",
     "shard_tensor",
@@ -132,6 +145,7 @@ __all__ = [
     "te_available",
     "tp_rng_tracker",
     "unshard",
+    "update_fp8_amax_histories",
     "vocab_parallel_cross_entropy",
     "vocab_range",
 ]

@@ -23,6 +23,10 @@ shapes do not qualify falls back to the high-precision matmul, with one warning 
 and both paths make that choice the same way. Scales stay on the device (no host sync),
 and nothing branches on tensor values, so ``torch.compile`` traces it without breaks.
 
+``Fp8Recipe(amax_history=n)`` scales the input and the output gradient from the amaxes of
+the last n steps instead (delayed scaling, ``fp8_delayed``): the layer passes its
+:class:`~mega_tp_layers.Fp8AmaxHistory`'s :class:`Fp8Delayed` as ``delayed``.
+
 Under :func:`~mega_tp_layers.defer_weight_grads` (``fp8_linear(..., store=...)``) the
 backward runs the dgrad GEMM and leaves the wgrad GEMM, on the same quantised gradient and
 the forward's fp8 input, to the store's W pass (row/block: the wgrad GEMM quantises the
@@ -43,6 +47,7 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from mega_tp_layers._comm import all_reduce_max, group_size
+from mega_tp_layers.fp8_delayed import Fp8Delayed
 from mega_tp_layers.fp8_scaling import (
     SCALINGS,
     Fp8Shard,
@@ -59,6 +64,7 @@ __all__ = [
     "Fp8Recipe",
     "Fp8Shard",
     "Fp8Tensor",
+    "check_delayed",
     "fp8_gemm_fits",
     "fp8_gemm_supported",
     "fp8_linear",
@@ -107,6 +113,12 @@ class Fp8Recipe:
     Under ``torch.compile`` on the GPU (torch 2.11) all three give eager's gradients
     (``bench/fp8_compile_check.py``: block-wise on the H200, 2026-12-05; row-wise on an H100,
     2026-12-06, after its GEMM results stopped passing through a no-op cast)."""
+    amax_history: int = 0
+    """0: every scale from the current amax of the tensor it quantises. n > 0 (tensor-wise
+    only): the input's and the output gradient's scales from the max amax of the last n
+    steps (delayed scaling, ``mega_tp_layers.fp8_delayed``), so the casts need no reduction
+    first and can fuse into the kernels producing those tensors; the first step scales by
+    the current amax. Megatron's ``fp8_amax_history_len``."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -135,8 +147,24 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe.fast_accum_forward ({self.fast_accum_forward!r}) must be True or False"
             )
+        history = self.amax_history
+        if not isinstance(history, int) or isinstance(history, bool) or history < 0:
+            raise ValueError(
+                f"Fp8Recipe.amax_history ({history!r}) must be a non-negative integer: 0 for "
+                "current scaling, n > 0 for delayed scaling over the last n steps"
+            )
+        if history and self.scaling != "tensor":
+            raise ValueError(
+                f"Fp8Recipe(amax_history={history}) is delayed scaling, which is tensor-wise "
+                f"only, not scaling={self.scaling!r}; use scaling='tensor' or amax_history=0"
+            )
         if not (isinstance(self.eps, float | int) and math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"Fp8Recipe.eps ({self.eps!r}) must be a positive finite number")
+
+    @property
+    def delayed(self) -> bool:
+        """Whether scales come from an amax history (``amax_history > 0``)."""
+        return self.amax_history > 0
 
     @property
     def grad_format(self) -> torch.dtype:
@@ -297,6 +325,7 @@ def fp8_linear_forward(
     out_dtype: torch.dtype | None = None,
     x_group: Shard = None,
     w_group: Shard = None,
+    x_amax: Tensor | None = None,
 ) -> Tensor:
     """``x2d @ weight.T``: ``[M, K] x [N, K] -> [M, N]``, both in ``recipe.fwd_dtype``.
 
@@ -304,6 +333,7 @@ def fp8_linear_forward(
     group an operand is a shard of (its scale is then the whole tensor's, see
     :func:`fp8_quantize`); the same for the ``*_group`` arguments of the other GEMMs.
     Row/block scaling needs each as an :class:`Fp8Shard` (which dim is split).
+    ``x_amax``: the amax to scale ``x2d`` by (delayed scaling), instead of its own.
     """
     _check_pair("fp8_linear_forward", x2d, weight, 1, 1)
     out_dtype = out_dtype if out_dtype is not None else x2d.dtype
@@ -315,9 +345,16 @@ def fp8_linear_forward(
         xt = _tiles(x2d, recipe.fwd_dtype, recipe, 1, False, x_group, "the input")
         wt = _tiles(weight, recipe.fwd_dtype, recipe, 1, True, w_group, "the weight")
         return tiled_gemm(xt, wt.t(), out_dtype, recipe, forward=True)
-    xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, _group(x_group))
+    xq = _quantize_input(x2d, recipe, x_group, x_amax)
     wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))
     return scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe, forward=True)
+
+
+def _quantize_input(x2d: Tensor, recipe: Fp8Recipe, group: Shard, amax: Tensor | None) -> Fp8Tensor:
+    """The input by its own amax (over ``group``), or by a delayed-scaling ``amax``."""
+    if amax is not None:
+        return fp8_quantize_by_amax(x2d, amax, recipe.fwd_dtype, recipe.eps)
+    return fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, _group(group))
 
 
 def fp8_linear_dgrad(
@@ -360,12 +397,14 @@ def fp8_linear_wgrad(
     out_dtype: torch.dtype | None = None,
     g_group: Shard = None,
     x_group: Shard = None,
+    x_amax: Tensor | None = None,
 ) -> Tensor:
     """``grad2d.T @ x2d``: ``[M, N]^T x [M, K] -> [N, K]``, the weight's gradient.
 
     ``grad2d`` (in ``grad_dtype``) may be already quantised; ``x2d`` is in ``fwd_dtype``,
     and may be quantised already too (the forward GEMM's fp8 input). The result has
-    ``out_dtype`` (default: ``x2d``'s dtype; bf16 for a quantised ``x2d``).
+    ``out_dtype`` (default: ``x2d``'s dtype; bf16 for a quantised ``x2d``). ``x_amax``:
+    the amax to scale a high-precision ``x2d`` by (delayed scaling: the forward's).
     """
     x_plain = x2d.data if isinstance(x2d, Fp8Tensor) else x2d
     _check_pair("fp8_linear_wgrad", grad2d, x_plain, 0, 0, b_quantised=isinstance(x2d, Fp8Tensor))
@@ -383,10 +422,7 @@ def fp8_linear_wgrad(
         xt = _tiles(_plain(x2d, recipe), recipe.fwd_dtype, recipe, 0, False, x_group, "the input")
         return tiled_gemm(gt.t(), xt, out_dtype, recipe, forward=False)
     gq = _as_grad(grad2d, recipe, _group(g_group))
-    if isinstance(x2d, Fp8Tensor):
-        xq = x2d
-    else:
-        xq = fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, _group(x_group))
+    xq = x2d if isinstance(x2d, Fp8Tensor) else _quantize_input(x2d, recipe, x_group, x_amax)
     return scaled_gemm(Fp8Tensor(gq.data.t(), gq.inv_scale), xq, out_dtype, recipe)
 
 
@@ -417,17 +453,39 @@ def _tiles(
 
 
 def shared_grad(
-    grad2d: Tensor, in_features: int, recipe: Fp8Recipe, group: Shard = None
+    grad2d: Tensor,
+    in_features: int,
+    recipe: Fp8Recipe,
+    group: Shard = None,
+    amax: Tensor | None = None,
 ) -> Tensor | Fp8Tensor:
     """The output gradient quantised once for both backward GEMMs, when they qualify.
 
     Row/block scaling quantises it along other axes for each GEMM: returned as it is.
+    ``amax``: the amax to scale it by (delayed scaling), instead of its own over ``group``.
     """
     if recipe.scaling != "tensor":
         return grad2d
-    if fp8_gemm_fits(grad2d.shape[0], grad2d.shape[1], in_features):
-        return fp8_quantize(grad2d, recipe.grad_format, recipe.eps, _group(group))
-    return grad2d
+    if not fp8_gemm_fits(grad2d.shape[0], grad2d.shape[1], in_features):
+        return grad2d
+    if amax is not None:
+        return fp8_quantize_by_amax(grad2d, amax, recipe.grad_format, recipe.eps)
+    return fp8_quantize(grad2d, recipe.grad_format, recipe.eps, _group(group))
+
+
+def check_delayed(owner: str, recipe: Fp8Recipe | None, delayed: Fp8Delayed | None) -> None:
+    """A delayed-scaling recipe comes with the layer's amax history, and only with one."""
+    if recipe is not None and recipe.delayed and delayed is None:
+        raise ValueError(
+            f"{owner} with Fp8Recipe(amax_history={recipe.amax_history}) needs the layer's "
+            "amax history: pass delayed=Fp8AmaxHistory(...).for_forward(x), as the linear "
+            "layers do, or amax_history=0"
+        )
+    if delayed is not None and (recipe is None or not recipe.delayed):
+        raise ValueError(
+            f"{owner} got delayed=... but its recipe scales by the current amax "
+            "(amax_history=0); drop delayed or set Fp8Recipe(amax_history=n)"
+        )
 
 
 class _Fp8Linear(Function):
@@ -447,9 +505,13 @@ class _Fp8Linear(Function):
         bias: Tensor | None,
         recipe: Fp8Recipe,
         groups: tuple[Shard, Shard, Shard],
-        deferred: tuple[WeightGradStore, Tensor, Tensor | None] | None = None,
+        deferred: tuple[WeightGradStore, Tensor, Tensor | None] | None,
+        amax: Tensor | None,
+        probe: Tensor | None,
     ) -> Tensor:
         ctx.recipe, ctx.x_dtype, ctx.groups = recipe, x.dtype, groups
+        ctx.delayed = probe is not None  # delayed scaling: |dy|'s max is the probe's gradient
+        x_amax, g_amax = (None, None) if amax is None else (amax[0], amax[1])
         ctx.deferred = deferred  # (store, weight, bias): the W pass runs later from the store
         x_group, w_group, _ = groups
         _check_pair("fp8_linear_forward", x, weight, 1, 1)
@@ -463,9 +525,9 @@ class _Fp8Linear(Function):
             ctx.save_for_backward(x, weight)
             out = fp8_linear_forward(x, weight, recipe, x_group=x_group, w_group=w_group)
             return out if bias is None else out + bias
-        xq = fp8_quantize(x, recipe.fwd_dtype, recipe.eps, _group(x_group))  # [tokens, in]
+        xq = _quantize_input(x, recipe, x_group, x_amax)  # [tokens, in]
         wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))  # [out, in]
-        ctx.save_for_backward(xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight)
+        ctx.save_for_backward(xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight, g_amax)
         out = scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), x.dtype, recipe, forward=True)
         return out if bias is None else out + bias
 
@@ -479,37 +541,48 @@ class _Fp8Linear(Function):
         x: Tensor | Fp8Tensor
         wq: Fp8Tensor | None = None
         g: Tensor | Fp8Tensor = grad
-        dgrad_shards: dict[str, Shard] = {}
-        wgrad_shards: dict[str, Shard] = {}
-        if ctx.quantised and recipe.scaling != "tensor":  # quantised by each GEMM
+        per_gemm = ctx.quantised and recipe.scaling != "tensor"  # quantised by each GEMM
+        if per_gemm:
             x, weight = ctx.saved_tensors
-            dgrad_shards = {"g_group": g_group, "w_group": w_group}
-            wgrad_shards = {"g_group": g_group, "x_group": x_group}
         elif ctx.quantised:
-            x_data, x_inv, w_data, w_inv, weight = ctx.saved_tensors
+            x_data, x_inv, w_data, w_inv, weight, g_amax = ctx.saved_tensors
             x, wq = Fp8Tensor(x_data, x_inv), Fp8Tensor(w_data, w_inv)
             if need_x or need_w:
-                g = shared_grad(grad, weight.shape[1], recipe, g_group)
+                g = shared_grad(grad, weight.shape[1], recipe, g_group, g_amax)
         else:
             x, weight = ctx.saved_tensors  # the high-precision fallback: no quantisation
         grad_x = None
         if need_x:
             out_dtype = ctx.x_dtype
             grad_x = fp8_linear_dgrad(
-                g, weight, recipe, out_dtype=out_dtype, weight_q=wq, **dgrad_shards
+                g,
+                weight,
+                recipe,
+                out_dtype=out_dtype,
+                weight_q=wq,
+                g_group=g_group if per_gemm else None,
+                w_group=w_group if per_gemm else None,
             )
 
         def wgrad() -> tuple[Tensor | None, Tensor | None]:
             grad_w = None
             if need_w:
-                grad_w = fp8_linear_wgrad(g, x, recipe, out_dtype=weight.dtype, **wgrad_shards)
+                grad_w = fp8_linear_wgrad(
+                    g,
+                    x,
+                    recipe,
+                    out_dtype=weight.dtype,
+                    g_group=g_group if per_gemm else None,
+                    x_group=x_group if per_gemm else None,
+                )
             return grad_w, grad.sum(dim=0) if need_b else None
 
+        probe_grad = grad.detach().abs().amax().float() if ctx.delayed else None
         if ctx.deferred is not None:
             store, w_param, b_param = ctx.deferred
             store.defer(wgrad, (w_param, b_param))
-            return grad_x, None, None, None, None, None
-        return grad_x, *wgrad(), None, None, None
+            return grad_x, None, None, None, None, None, None, probe_grad
+        return grad_x, *wgrad(), None, None, None, None, probe_grad
 
 
 def fp8_linear(
@@ -522,6 +595,7 @@ def fp8_linear(
     w_group: Shard = None,
     g_group: Shard = None,
     store: WeightGradStore | None = None,
+    delayed: Fp8Delayed | None = None,
 ) -> Tensor:
     """``F.linear(x, weight, bias)`` with its forward, dgrad and wgrad GEMMs in fp8.
 
@@ -531,8 +605,9 @@ def fp8_linear(
     scaled as the whole tensor (tensor parallelism then quantises as one process would);
     row/block scaling needs them as :class:`Fp8Shard` (group, dim). With ``store`` (a
     :class:`~mega_tp_layers.WeightGradStore`) the weight and bias gradients are left to its
-    W pass.
+    W pass. ``delayed``: a delayed-scaling recipe's scales and probe (``fp8_delayed``).
     """
+    check_delayed("fp8_linear", recipe, delayed)
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"fp8_linear needs x [..., in] and weight [out, in] with matching in, got shapes "
@@ -540,10 +615,11 @@ def fp8_linear(
         )
     x2d = x.reshape(-1, x.shape[-1])  # [..., in] -> [tokens, in]
     groups = (x_group, w_group, g_group)
+    amax, probe = (None, None) if delayed is None else delayed
     if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
         deferred = (store, weight, bias)
         w, b = weight.detach(), None if bias is None else bias.detach()
-        out: Tensor = _Fp8Linear.apply(x2d, w, b, recipe, groups, deferred)
+        out: Tensor = _Fp8Linear.apply(x2d, w, b, recipe, groups, deferred, amax, probe)
     else:
-        out = _Fp8Linear.apply(x2d, weight, bias, recipe, groups, None)
+        out = _Fp8Linear.apply(x2d, weight, bias, recipe, groups, None, amax, probe)
     return out.view(*x.shape[:-1], weight.shape[0])  # a view outside the Function

@@ -49,12 +49,14 @@ from mega_tp_layers.fp8 import (
     Fp8Recipe,
     Fp8Shard,
     Fp8Tensor,
+    check_delayed,
     fp8_linear,
     fp8_linear_dgrad,
     fp8_linear_forward,
     fp8_linear_wgrad,
     shared_grad,
 )
+from mega_tp_layers.fp8_delayed import Fp8AmaxHistory, Fp8Delayed
 from mega_tp_layers.fp8_scaling import check_fp8_layout
 from mega_tp_layers.init import InitMethod, Normal, PaddedRows, Zeros
 from mega_tp_layers.mappings import (
@@ -94,34 +96,41 @@ class _ColumnParallelMatmul(Function):
         group: ProcessGroup,
         sequence_parallel: bool,
         fp8: Fp8Recipe | None,
-        deferred: tuple[WeightGradStore, Tensor, Tensor | None] | None = None,
+        deferred: tuple[WeightGradStore, Tensor, Tensor | None] | None,
+        amax: Tensor | None,
+        probe: Tensor | None,
     ) -> Tensor:
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
         ctx.fp8 = fp8
         ctx.deferred = deferred  # (store, weight, bias): the W pass runs later from the store
-        ctx.save_for_backward(x, weight)  # under SP only the local slice is kept
+        ctx.delayed = probe is not None  # delayed scaling: |dy|'s max is the probe's gradient
+        x_amax, g_amax = (None, None) if amax is None else (amax[0], amax[1])
+        ctx.save_for_backward(x, weight, x_amax, g_amax)  # under SP only the local slice
         total = all_gather_dim0(x, group)[0] if sequence_parallel else x  # [s/tp,b,h] -> [s,b,h]
         if fp8 is None:
             return F.linear(total, weight, bias)  # [s, b, h] -> [s, b, out/tp]
         # fp8 inputs are 2-D: [s*b, h] -> [s*b, out/tp]; the weight shard scaled as the whole
-        out = fp8_linear_forward(total, weight, fp8, w_group=Fp8Shard(group, 0))
+        out = fp8_linear_forward(total, weight, fp8, w_group=Fp8Shard(group, 0), x_amax=x_amax)
         return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
+        x, weight, x_amax, g_amax = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         group, sp, fp8 = ctx.group, ctx.sequence_parallel, ctx.fp8
+        probe_grad = grad.detach().abs().amax().float() if ctx.delayed else None
         if ctx.deferred is not None:
-            return _column_dgrad_deferring_wgrad(ctx.deferred, x, weight, grad, group, sp, fp8)
+            return *_column_dgrad_deferring_wgrad(
+                ctx.deferred, x, weight, grad, group, sp, fp8, (x_amax, g_amax)
+            ), probe_grad
         total, gather = x, None
         if sp and need_w:  # rebuild the gathered input, overlapped with the dgrad GEMM
             total, gather = all_gather_dim0(x, group, async_op=True)
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [s*b, out/tp]
         g8: Tensor | Fp8Tensor = grad_2d
         if fp8 is not None and (need_x or need_w):  # quantised once for dgrad and wgrad
-            g8 = shared_grad(grad_2d, weight.shape[1], fp8, Fp8Shard(group, 1))  # a shard
+            g8 = shared_grad(grad_2d, weight.shape[1], fp8, Fp8Shard(group, 1), g_amax)  # a shard
         grad_input, pending = None, None
         if need_x:
             if fp8 is None:
@@ -144,14 +153,16 @@ class _ColumnParallelMatmul(Function):
         if need_w or need_b:  # runs while the input-gradient collective is in flight
             total_2d = total.reshape(-1, total.shape[-1])  # [s*b, h]
             if need_w and fp8 is not None:
-                grad_weight = fp8_linear_wgrad(g8, total_2d, fp8, out_dtype=weight.dtype)
+                grad_weight = fp8_linear_wgrad(
+                    g8, total_2d, fp8, out_dtype=weight.dtype, x_amax=x_amax
+                )  # the forward's scale (delayed: the history's)
             elif need_w:
                 grad_weight = grad_2d.t().matmul(total_2d)
             if need_b:
                 grad_bias = grad_2d.sum(dim=0)
         if pending is not None:
             pending.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, probe_grad
 
 
 def _column_dgrad_deferring_wgrad(
@@ -162,24 +173,27 @@ def _column_dgrad_deferring_wgrad(
     group: ProcessGroup,
     sp: bool,
     fp8: Fp8Recipe | None,
+    amaxes: tuple[Tensor | None, Tensor | None],
 ) -> tuple[Tensor | None, ...]:
     """The input gradient now; the weight gradient (SP: from a new all-gather) in the W pass.
 
     Under SP the W pass gathers the input again rather than keeping the gathered copy:
     the fused backward gathers it again too (the same traffic, moved from B to W), and
     keeping it would hold tp times the input per linear for every micro-batch whose W
-    is pending. With ``fp8`` both GEMMs use one quantised gradient, as the fused ones do.
+    is pending. With ``fp8`` both GEMMs use one quantised gradient, as the fused ones do;
+    ``amaxes``: delayed scaling's (input, gradient) amaxes, or None each.
     """
     store, w_param, b_param = deferred
+    x_amax, g_amax = amaxes
     g8: Tensor | Fp8Tensor = grad
     if fp8 is not None:  # [s*b, out/tp], a shard of the gradient, quantised once
-        g8 = shared_grad(grad, weight.shape[1], fp8, Fp8Shard(group, 1))
+        g8 = shared_grad(grad, weight.shape[1], fp8, Fp8Shard(group, 1), g_amax)
 
     def wgrad() -> tuple[Tensor | None, ...]:
         total = all_gather_dim0(x, group)[0] if sp else x  # [s/tp, b, h] -> [s, b, h]
         if fp8 is None:
             return flat_wgrad(grad, total, b_param is not None)
-        grad_w = fp8_linear_wgrad(g8, total, fp8, out_dtype=weight.dtype)
+        grad_w = fp8_linear_wgrad(g8, total, fp8, out_dtype=weight.dtype, x_amax=x_amax)
         return grad_w, grad.sum(dim=0) if b_param is not None else None
 
     store.defer(wgrad, (w_param, b_param))
@@ -194,7 +208,7 @@ def _column_dgrad_deferring_wgrad(
         grad_input = reduce_scatter_dim0(grad_input, group)[0]  # -> [s/tp, b, h]
     else:
         all_reduce(grad_input, group)
-    return grad_input, None, None, None, None, None, None
+    return grad_input, None, None, None, None, None, None, None
 
 
 def column_parallel_linear(
@@ -207,6 +221,7 @@ def column_parallel_linear(
     gather_output: bool = False,
     fp8: Fp8Recipe | None = None,
     tp_comm_overlap: bool = False,
+    fp8_delayed: Fp8Delayed | None = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` with ``weight`` split by output rows over ``tp_group``.
 
@@ -216,7 +231,9 @@ def column_parallel_linear(
     ``[s, b, out]`` with ``gather_output``. With ``fp8`` its three GEMMs run in FP8. With
     ``tp_comm_overlap`` (needs ``sequence_parallel`` and tp > 1) the all-gather overlaps
     the GEMM chunk by chunk, and the input gradient's reduce-scatter its GEMM.
+    ``fp8_delayed``: a delayed-scaling recipe's scales and probe (``fp8_delayed``).
     """
+    check_delayed("column_parallel_linear", fp8, fp8_delayed)
     tp = group_size(tp_group)
     overlap = check_tp_comm_overlap(
         "column_parallel_linear", tp_comm_overlap, sequence_parallel, tp
@@ -228,7 +245,7 @@ def column_parallel_linear(
     store = current_weight_grad_store()
     if tp == 1:
         if fp8 is not None:
-            return fp8_linear(x, weight, bias, recipe=fp8, store=store)
+            return fp8_linear(x, weight, bias, recipe=fp8, store=store, delayed=fp8_delayed)
         return F.linear(x, weight, bias) if store is None else split_linear(x, weight, bias, store)
     deferred = None
     if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
@@ -236,18 +253,33 @@ def column_parallel_linear(
         weight, bias = weight.detach(), None if bias is None else bias.detach()
     if fp8 is None:
         out = _ColumnParallelMatmul.apply(
-            x, weight, bias, tp_group, sequence_parallel, None, deferred
+            x, weight, bias, tp_group, sequence_parallel, None, deferred, None, None
         )
     else:  # the Function runs on [tokens, h]; gathering dim 0 keeps the sequence-major order
         lead = (x.shape[0] * (group_size(tp_group) if sequence_parallel else 1), *x.shape[1:-1])
         flat = x.reshape(-1, x.shape[-1])  # [s(/tp), b, h] -> [s(/tp)*b, h]
+        amax, probe = (None, None) if fp8_delayed is None else fp8_delayed
         out = _ColumnParallelMatmul.apply(
-            flat, weight, bias, tp_group, sequence_parallel, fp8, deferred
+            flat, weight, bias, tp_group, sequence_parallel, fp8, deferred, amax, probe
         )
         out = out.view(*lead, weight.shape[0])  # [s*b, out/tp] -> [s, b, out/tp]
     if gather_output:
         out = gather_from_tp_region(out, tp_group)  # [s, b, out/tp] -> [s, b, out]
     return out
+
+
+def amax_history_for(
+    fp8: Fp8Recipe | None, device: torch.device | str | None
+) -> Fp8AmaxHistory | None:
+    """A layer's amax history under a delayed-scaling recipe (``fp8_delayed``), else None."""
+    if fp8 is None or not fp8.delayed:
+        return None
+    return Fp8AmaxHistory(fp8.amax_history, device=device)
+
+
+def delayed_for(history: Fp8AmaxHistory | None, x: Tensor) -> Fp8Delayed | None:
+    """The scales and probe of a layer's forward on ``x`` (recording its amax), if delayed."""
+    return None if history is None else history.for_forward(x)
 
 
 def _check_features(owner: str, in_features: int, out_features: int) -> None:
@@ -371,6 +403,7 @@ class ColumnParallelLinear(ShardedModule):
         )
         shard = ("out_features/tp", self.out_features_per_rank)
         check_fp8_layout(owner, self.fp8, tp, shard, self.tp_comm_overlap)
+        self.fp8_amax = amax_history_for(self.fp8, device)
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
         if full_out != out_features:
@@ -410,7 +443,7 @@ class ColumnParallelLinear(ShardedModule):
         out = column_parallel_linear(
             x, self.weight, bias, tp_group=self.tp_group,
             sequence_parallel=sp, gather_output=self.gather_output, fp8=self.fp8,
-            tp_comm_overlap=self.tp_comm_overlap,
+            tp_comm_overlap=self.tp_comm_overlap, fp8_delayed=delayed_for(self.fp8_amax, x),
         )  # fmt: skip
         if self.gather_output and out.shape[-1] != self.out_features:
             out = out[..., : self.out_features]  # padded rows' outputs are not the layer's
@@ -494,6 +527,7 @@ class RowParallelLinear(ShardedModule):
         )
         shard = ("in_features/tp", self.in_features_per_rank)
         check_fp8_layout(owner, self.fp8, tp, shard, self.tp_comm_overlap)
+        self.fp8_amax = amax_history_for(self.fp8, device)
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
         w_spec = ShardSpec(1, tp, rank, group_name, (out_features, in_features), False)
@@ -537,9 +571,10 @@ class RowParallelLinear(ShardedModule):
         bias = None if self.skip_bias_add else self.bias
         fp8 = self.fp8
         store = current_weight_grad_store()
+        delayed = delayed_for(self.fp8_amax, x)
         if tp == 1:
             if fp8 is not None:
-                return fp8_linear(x, self.weight, bias, recipe=fp8, store=store)
+                return fp8_linear(x, self.weight, bias, recipe=fp8, store=store, delayed=delayed)
             if store is not None:
                 return split_linear(x, self.weight, bias, store)
             return F.linear(x, self.weight, bias)
@@ -556,8 +591,9 @@ class RowParallelLinear(ShardedModule):
         else:  # the input and weight are shards over tp (along in): scaled as the wholes
             shard = Fp8Shard(group, 1)
             partial = fp8_linear(
-                x, self.weight, recipe=fp8, x_group=shard, w_group=shard, store=store
-            )
+                x, self.weight, recipe=fp8, x_group=shard, w_group=shard, store=store,
+                delayed=delayed,
+            )  # fmt: skip
         if sp:
             out = reduce_scatter_to_sequence_region(partial, group)  # -> [s/tp, b, out]
         else:

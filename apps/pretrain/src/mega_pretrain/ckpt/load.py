@@ -47,6 +47,7 @@ from mega_pretrain.ckpt.meta import (
     shard_label,
 )
 from mega_pretrain.ckpt.reader import SafeReader, read_dcp_metadata
+from mega_tp_layers import refresh_fp8_amax_histories
 from mega_zero_optim import owned_pieces
 from mega_zero_optim.state import FORMAT as OPTIMIZER_FORMAT
 
@@ -423,4 +424,5 @@ def load_checkpoint(path: Path, built: Built, groups: ProcessGroups) -> dict[str
     present = sorted(key for key in wanted if key in index)  # checkpoints before buffers: none
     for key, value in _read(path, present, index).items():
         wanted[key].copy_(value)
+    refresh_fp8_amax_histories(built.chunks)  # loaded amax histories scale the next step
     return {**meta["trainer_state"], "rng_restored": same_layout}

@@ -1,0 +1,196 @@
+"""Delayed FP8 scaling: a layer's scales from the amaxes of its earlier steps.
+
+``Fp8Recipe(amax_history=n)`` (n > 0, tensor-wise scaling) quantises a linear layer's input
+and output gradient with ``scale = fp8_max / max(amax over the last n steps)`` instead of
+the amax of the tensor being quantised. The cast then waits on no reduction over that
+tensor, so under ``torch.compile`` it can fuse into the kernel that produces the tensor
+(the norm, SwiGLU, the residual's gradient); a value beyond the scaled range saturates at
+the format's largest value, as in Transformer Engine's delayed scaling. The weight keeps
+current scaling: no kernel produces it inside the step, and its amax is one read of a
+tensor far smaller than the activations.
+
+Each fp8 layer holds an :class:`Fp8AmaxHistory`:
+
+- ``history`` ``[n, 2]`` fp32 (persistent: checkpoints carry it): row 0 the last step's
+  amaxes, columns the input and the output gradient.
+- ``current`` ``[2]``: this step's running max. The forward records ``|x|``'s max in module
+  code (a buffer write that Dynamo functionalises). The backward's ``|dy|`` max leaves the
+  linear's autograd Function as the gradient of ``probe``, a 0-d leaf that is not a
+  parameter, and a post-accumulate hook folds it in and clears it (the autograd engine
+  would sum it over micro-batches; the history needs their max).
+- ``grad_unit``: how many times one process's output gradient this rank's is. A trainer
+  that averages the loss over its rank's share of the batch and then the gradients over
+  dp x cp replicas sees each output gradient dp x cp times one process's; the history
+  stores one process's amaxes (a checkpoint resumes at any layout) and scales by
+  ``grad_unit`` times them. Set it with :func:`set_fp8_grad_unit`.
+- ``warm``: False until the first update. A cold step scales by the current amax (as
+  ``Fp8Recipe(amax_history=0)`` does) and records it. The flag is a Python bool: compiled
+  code recompiles once when it turns.
+
+:func:`update_fp8_amax_histories` closes a step, after the backward of every micro-batch:
+it stacks every layer's ``current``, all-reduces it (MAX) over the ranks that hold shards
+or replicas of the same layers (tp x dp x cp), and pushes it into the histories. One
+process's amax over the step's whole batch is the max of those local maxes, so every
+layout scales as one process does. :func:`discard_fp8_amaxes` forgets a skipped step's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from mega_tp_layers._comm import all_reduce_max, group_size
+
+__all__ = [
+    "Fp8AmaxHistory",
+    "Fp8Delayed",
+    "discard_fp8_amaxes",
+    "refresh_fp8_amax_histories",
+    "set_fp8_grad_unit",
+    "update_fp8_amax_histories",
+]
+
+#: Columns of ``history`` and ``current``.
+INPUT, GRAD = 0, 1
+
+
+class Fp8Delayed(NamedTuple):
+    """What a linear's autograd Function takes for delayed scaling."""
+
+    amax: Tensor | None
+    """``[2]`` fp32: the amaxes to scale the input and the output gradient by; None on a
+    cold step (scale by the current amax)."""
+    probe: Tensor
+    """A 0-d fp32 leaf: the backward returns the local ``|dy|`` max as its gradient."""
+
+
+class Fp8AmaxHistory(nn.Module):
+    """The amax history of one fp8 linear layer (module doc)."""
+
+    history: Tensor
+    current: Tensor
+
+    def __init__(self, length: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise ValueError(f"Fp8AmaxHistory length ({length!r}) must be a positive integer")
+        self.length = length
+        self.register_buffer("history", torch.zeros(length, 2, device=device))
+        self.register_buffer("current", torch.zeros(2, device=device), persistent=False)
+        self.warm = False
+        self.grad_unit = 1.0
+        self.probe = self._new_probe()
+
+    def _new_probe(self) -> Tensor:
+        probe = torch.zeros((), device=self.history.device, requires_grad=True)
+        if probe.device.type != "meta":
+            probe.register_post_accumulate_grad_hook(self._fold_grad_amax)  # type: ignore[no-untyped-call]
+        return probe
+
+    @torch.no_grad()
+    def _fold_grad_amax(self, probe: Tensor) -> None:
+        assert probe.grad is not None
+        grad_amax = probe.grad.reshape(1).to(self.current.dtype)
+        self.current[GRAD:].copy_(torch.maximum(self.current[GRAD:], grad_amax))
+        probe.grad = None
+
+    def for_forward(self, x: Tensor) -> Fp8Delayed:
+        """Records ``x``'s amax (in training, with gradients on) and returns the scales."""
+        if self.training and torch.is_grad_enabled():
+            amax = x.detach().abs().amax().float().reshape(1)
+            self.current[INPUT:GRAD] = torch.maximum(self.current[INPUT:GRAD], amax)
+        if not self.warm:
+            return Fp8Delayed(None, self.probe)
+        amax = self.history.amax(dim=0)
+        if self.grad_unit != 1.0:  # one process's gradient amax, in this rank's units
+            amax = torch.stack([amax[INPUT], amax[GRAD] * self.grad_unit])
+        return Fp8Delayed(amax, self.probe)
+
+    @torch.no_grad()
+    def push(self, amax: Tensor) -> None:
+        """A finished step's ``[2]`` amaxes into the history; the running max starts over."""
+        self.history.copy_(torch.cat([amax.reshape(1, 2).float(), self.history[:-1]]))
+        self.current.zero_()
+        self.warm = True
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        fresh = self.history.device.type == "meta"
+        result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        with torch.no_grad():
+            if self.history.dtype != torch.float32:  # amaxes stay fp32 under .to(bf16)
+                self.history = self.history.float()
+                self.current = self.current.float()
+            if fresh and self.history.device.type != "meta":  # to_empty: start from zero
+                self.history.zero_()
+                self.current.zero_()
+        if self.probe.device != self.history.device:
+            self.probe = self._new_probe()
+        return result
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["probe"]  # its hook is bound to this module: a copy makes its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self.probe = self._new_probe()
+
+    def extra_repr(self) -> str:
+        return f"length={self.length}, warm={self.warm}, grad_unit={self.grad_unit}"
+
+
+def _histories(modules: Iterable[nn.Module]) -> list[Fp8AmaxHistory]:
+    return [m for module in modules for m in module.modules() if isinstance(m, Fp8AmaxHistory)]
+
+
+@torch.no_grad()
+def update_fp8_amax_histories(modules: Iterable[nn.Module], group: ProcessGroup | None) -> int:
+    """Closes a step: every layer's running max, maxed over ``group``, into its history.
+
+    Call it once per optimizer step after the backward of every micro-batch, on every rank
+    of ``group`` (the ranks holding the same layers: tp x dp x cp). Returns the number of
+    histories updated.
+    """
+    histories = _histories(modules)
+    if not histories:
+        return 0
+    current = torch.stack([h.current for h in histories])  # [layers, 2]
+    if group is not None and group_size(group) > 1:
+        all_reduce_max(current, group)
+    units = torch.tensor([[1.0, h.grad_unit] for h in histories], device=current.device)
+    current = current / units  # the gradient column in one process's units
+    for history, amax in zip(histories, current.unbind(0), strict=True):
+        history.push(amax)
+    return len(histories)
+
+
+@torch.no_grad()
+def discard_fp8_amaxes(modules: Iterable[nn.Module]) -> None:
+    """A skipped step (non-finite gradients): its running maxes are dropped, not pushed."""
+    for history in _histories(modules):
+        history.current.zero_()
+
+
+def set_fp8_grad_unit(modules: Iterable[nn.Module], unit: float) -> None:
+    """Every history's ``grad_unit`` (module doc): this rank's output gradients are ``unit``
+    times one process's. A trainer averaging over dp x cp replicas passes dp x cp."""
+    if not isinstance(unit, int | float) or isinstance(unit, bool) or not unit > 0:
+        raise ValueError(
+            f"set_fp8_grad_unit: unit ({unit!r}) must be a positive number, the factor by "
+            "which this rank's output gradients exceed one process's (1 for one process)"
+        )
+    for history in _histories(modules):
+        history.grad_unit = float(unit)
+
+
+def refresh_fp8_amax_histories(modules: Iterable[nn.Module]) -> None:
+    """After loading histories into the buffers (a resume): a loaded, non-zero history is
+    warm, so the next step scales from it as the saved run's next step would have. One host
+    read per layer; call it once after a load."""
+    for history in _histories(modules):
+        history.warm = bool(history.history.any())

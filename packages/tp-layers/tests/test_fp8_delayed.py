@@ -1,0 +1,357 @@
+"""Delayed FP8 scaling (``Fp8Recipe(amax_history=n)``): scales from earlier steps' amaxes.
+
+What is checked, and why each check is exact:
+- A cold step (no history yet) quantises as current scaling does: same fp8 values, same
+  results, bit for bit. It records the max ``|x|`` and ``|dy|`` over its micro-batches.
+- A warm step quantises the input and the output gradient by the max over the history
+  (the weight by its own amax): equal bit for bit to a hand-written quantise-dequantise
+  with those amaxes (the emulation's GEMM is the same fp32 product of fp8 values, see
+  test_fp8.py). Values beyond a stale amax saturate at the format's largest value.
+- Compiled (Dynamo + AOTAutograd, and Inductor on CPU) equals eager, histories included.
+- Layouts: every rank records its local maxes and one MAX all-reduce closes the step, so
+  tp 2 (with and without sequence parallelism) and dp 2 produce the one-process history
+  exactly (a max is exact in any order), and the tp block's outputs and gradients then
+  equal the one-process block's within fp32 summation order, as in test_fp8.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mega_parallel_grid import ParallelConfig, init_process_groups
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
+from mega_tp_layers import (
+    ColumnParallelLinear,
+    Fp8AmaxHistory,
+    Fp8Recipe,
+    Normal,
+    RowParallelLinear,
+    discard_fp8_amaxes,
+    fp8_linear,
+    init_full,
+    param_generator,
+    refresh_fp8_amax_histories,
+    set_fp8_grad_unit,
+    shard_tensor,
+    update_fp8_amax_histories,
+)
+from mega_tp_layers.fp8_scaling import check_fp8_layout
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+CURRENT = Fp8Recipe(emulate=True)
+DELAYED = Fp8Recipe(emulate=True, amax_history=2)
+SEED = 7
+S, B, H, FFN = 8, 2, 32, 64  # every GEMM dim a multiple of 16 at tp 1 and 2, SP included
+# the block's longest chain of fp32 sums (fc1 and fc2 forward and back, then a wgrad's tokens)
+N_BLOCK = 2 * (H + FFN) + S * B
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+class _Linear(nn.Module):
+    """``fp8_linear`` with an amax history, as the layers wire it."""
+
+    def __init__(self, recipe: Fp8Recipe, weight: Tensor) -> None:
+        super().__init__()
+        self.recipe, self.weight = recipe, nn.Parameter(weight.clone())
+        self.fp8_amax = Fp8AmaxHistory(recipe.amax_history) if recipe.delayed else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        delayed = None if self.fp8_amax is None else self.fp8_amax.for_forward(x)
+        return fp8_linear(x, self.weight, recipe=self.recipe, delayed=delayed)
+
+
+def _hand_q(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Quantise by hand with a given amax (saturating): fp8 values widened, inverse scale."""
+    fmax = torch.finfo(dtype).max
+    scale = fmax / amax.clamp(min=1e-12)
+    return (t * scale).clamp(-fmax, fmax).to(dtype).float(), scale.reciprocal()
+
+
+def _step(layer: nn.Module, xs: list[Tensor], dys: list[Tensor]) -> list[Tensor]:
+    outs = []
+    for x, dy in zip(xs, dys, strict=True):
+        y = layer(x)
+        y.backward(dy)
+        outs.append(y.detach())
+    return outs
+
+
+def test_cold_step_is_current_scaling_and_records_the_step_max() -> None:
+    w = _randn(FFN, H, seed=1)
+    xs = [_randn(16, H, seed=2), _randn(16, H, seed=3, scale=3.0)]
+    dys = [_randn(16, FFN, seed=4, scale=1e-3), _randn(16, FFN, seed=5, scale=2e-3)]
+    current, delayed = _Linear(CURRENT, w), _Linear(DELAYED, w)
+    for got, want in zip(_step(delayed, xs, dys), _step(current, xs, dys), strict=True):
+        assert torch.equal(got, want)
+    assert delayed.weight.grad is not None and current.weight.grad is not None
+    assert torch.equal(delayed.weight.grad, current.weight.grad)
+    history = delayed.fp8_amax
+    assert history is not None and not history.warm
+    expect = torch.stack([torch.stack(xs).abs().amax(), torch.stack(dys).abs().amax()])
+    assert torch.equal(history.current, expect)  # the max over both micro-batches
+    assert history.probe.grad is None  # folded into current, not summed by AccumulateGrad
+    assert update_fp8_amax_histories([delayed], None) == 1
+    assert history.warm and torch.equal(history.history[0], expect)
+    assert not bool(history.current.any()) and not bool(history.history[1].any())
+
+
+def test_warm_step_scales_by_the_history_max_exactly() -> None:
+    w = _randn(FFN, H, seed=6)
+    layer = _Linear(DELAYED, w)
+    history = layer.fp8_amax
+    assert history is not None
+    amaxes = [(4.0, 1e-2), (1.5, 3e-3), (2.5, 2e-3)]  # step by step: (|x| max, |dy| max)
+    for ax, ag in amaxes:
+        history.push(torch.tensor([ax, ag]))
+    # the last 2 steps count: 2.5 for the input, 3e-3 for the gradient
+    ax, ag = torch.tensor(2.5), torch.tensor(3e-3)
+    x = _randn(16, H, seed=7)
+    x[0, 0] = 9.0  # beyond the history's amax: saturates at e4m3's largest value
+    dy = _randn(16, FFN, seed=8, scale=1e-3)
+    xp = x.clone().requires_grad_()
+    y = layer(xp)
+    y.backward(dy)
+    (qx, ix), (qg, ig) = _hand_q(x, ax, E4M3), _hand_q(dy, ag, E5M2)
+    qw, iw = _hand_q(w, w.abs().amax(), E4M3)  # the weight: current scaling
+    assert float(qx[0, 0]) == torch.finfo(E4M3).max  # saturated, not inf
+    assert torch.equal(y, (qx @ qw.t()) * (ix * iw))
+    assert xp.grad is not None and layer.weight.grad is not None
+    assert torch.equal(xp.grad, (qg @ qw) * (ig * iw))
+    assert torch.equal(layer.weight.grad, (qg.t() @ qx) * (ig * ix))
+    want = torch.stack([x.abs().amax(), dy.abs().amax()])
+    assert torch.equal(history.current, want)  # this step's own maxes, for the next one
+
+
+def test_history_keeps_the_last_n_steps() -> None:
+    history = Fp8AmaxHistory(2)
+    history.push(torch.tensor([4.0, 1.0]))
+    history.push(torch.tensor([1.0, 3.0]))
+    assert torch.equal(history.history.amax(0), torch.tensor([4.0, 3.0]))
+    history.push(torch.tensor([2.0, 0.5]))  # the first step drops out
+    assert torch.equal(history.history.amax(0), torch.tensor([2.0, 3.0]))
+
+
+def test_grad_unit_keeps_one_process_units() -> None:
+    """A rank whose output gradients are 4x one process's stores a quarter of its |dy| max
+    and scales by 4x the stored one: the history reads as one process's at any layout."""
+    history = Fp8AmaxHistory(2)
+    set_fp8_grad_unit([history], 4)
+    history.current.copy_(torch.tensor([3.0, 8.0]))  # this rank's maxes: |x| 3, |dy| 8
+    update_fp8_amax_histories([history], None)
+    assert torch.equal(history.history[0], torch.tensor([3.0, 2.0]))
+    scales = history.for_forward(torch.ones(1)).amax
+    assert scales is not None and torch.equal(scales, torch.tensor([3.0, 8.0]))
+    assert "grad_unit=4.0" in repr(history)
+
+
+def test_skipped_step_and_resume() -> None:
+    history = Fp8AmaxHistory(3)
+    history.push(torch.tensor([2.0, 1.0]))
+    history.current.copy_(torch.tensor([float("inf"), 5.0]))  # a step with non-finite values
+    discard_fp8_amaxes([history])
+    assert not bool(history.current.any()) and torch.equal(
+        history.history[0], torch.tensor([2.0, 1.0])
+    )
+    loaded = Fp8AmaxHistory(3)
+    loaded.load_state_dict(history.state_dict())  # the history is persistent, current is not
+    assert set(history.state_dict()) == {"history"} and not loaded.warm
+    refresh_fp8_amax_histories([loaded])
+    assert loaded.warm and torch.equal(loaded.history, history.history)
+    refresh_fp8_amax_histories([Fp8AmaxHistory(3)])  # an empty history stays cold
+
+
+def test_materialised_from_meta_is_zero_fp32_with_a_live_probe() -> None:
+    history = Fp8AmaxHistory(4, device="meta")
+    history.to_empty(device="cpu")
+    assert history.history.device.type == "cpu" and not bool(history.history.any())
+    history.to(torch.bfloat16)  # a model cast to bf16 keeps its amaxes in fp32
+    assert history.history.dtype == history.current.dtype == torch.float32
+    assert history.probe.device.type == "cpu" and history.probe.requires_grad
+    layer = _Linear(DELAYED, _randn(FFN, H, seed=9))
+    layer.fp8_amax = history
+    layer(_randn(16, H, seed=10)).sum().backward()
+    assert float(history.current[1]) == 1.0 and history.probe.grad is None  # the hook ran
+    clone = copy.deepcopy(layer)  # copies keep working (their own probe and hook)
+    assert clone.fp8_amax is not None
+    clone.fp8_amax.current.zero_()
+    clone(_randn(16, H, seed=11)).sum().backward()
+    assert float(clone.fp8_amax.current[1]) == 1.0
+
+
+def test_eval_and_no_grad_forwards_record_nothing() -> None:
+    layer = _Linear(DELAYED, _randn(FFN, H, seed=12))
+    with torch.no_grad():
+        layer(_randn(16, H, seed=13))
+    layer.eval()
+    layer(_randn(16, H, seed=14))
+    assert layer.fp8_amax is not None and not bool(layer.fp8_amax.current.any())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_equals_eager_over_a_cold_and_warm_steps(backend: str) -> None:
+    """The warm flag recompiles once; the buffer write and the probe's gradient survive
+    compilation (Inductor on CPU here; on the GPU see bench/RESULTS.md)."""
+    w = _randn(FFN, H, seed=15)
+    eager, compiled_layer = _Linear(DELAYED, w), _Linear(DELAYED, w)
+    compiled = torch.compile(compiled_layer, backend=backend, fullgraph=True)
+    try:
+        for step in range(3):
+            xs = [_randn(16, H, seed=20 + 2 * step + i, scale=1.0 + step) for i in range(2)]
+            dys = [_randn(16, FFN, seed=40 + 2 * step + i, scale=1e-3) for i in range(2)]
+            want = _step(eager, xs, dys)
+            got = _step(compiled, xs, dys)  # type: ignore[arg-type]
+            for g, e in zip(got, want, strict=True):
+                torch.testing.assert_close(g, e, rtol=2**-20, atol=0)
+            assert eager.fp8_amax is not None and compiled_layer.fp8_amax is not None
+            assert torch.equal(compiled_layer.fp8_amax.current, eager.fp8_amax.current)
+            update_fp8_amax_histories([eager], None)
+            update_fp8_amax_histories([compiled_layer], None)
+        assert eager.weight.grad is not None and compiled_layer.weight.grad is not None
+        torch.testing.assert_close(
+            compiled_layer.weight.grad, eager.weight.grad, rtol=2**-20, atol=0
+        )
+    finally:
+        torch._dynamo.reset()
+
+
+# ---- layouts: tp 2 (with and without SP) and dp 2 against one process --------------------
+
+
+def _full(shape: tuple[int, ...], name: str) -> Tensor:
+    return init_full(shape, Normal(0.3), param_generator(SEED, name))
+
+
+def _block_data(step: int, micro: int) -> tuple[Tensor, Tensor]:
+    seed = 100 + 10 * step + micro
+    return _randn(S, B, H, seed=seed, scale=1.0 + step), _randn(S, B, H, seed=seed + 5, scale=1e-2)
+
+
+def _one_process_block(steps: int, micro: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Histories (fc1, fc2) and the last step's fc1 weight gradient, one process."""
+    fc1 = _Linear(DELAYED, _full((FFN, H), "fc1.weight"))
+    fc2 = _Linear(DELAYED, _full((H, FFN), "fc2.weight"))
+    grads = []
+    for step in range(steps):
+        fc1.weight.grad = fc2.weight.grad = None
+        for m in range(micro):
+            x, dy = _block_data(step, m)
+            fc2(F.gelu(fc1(x))).backward(dy)
+        update_fp8_amax_histories([fc1, fc2], None)
+        assert fc1.weight.grad is not None and fc2.weight.grad is not None
+        grads = [fc1.weight.grad.clone(), fc2.weight.grad.clone()]
+    histories = [m.fp8_amax.history.clone() for m in (fc1, fc2) if m.fp8_amax is not None]
+    return histories, grads
+
+
+def _check_layout(tp: int, sp: bool, dp: int) -> None:
+    groups = init_process_groups(ParallelConfig(tp=tp))
+    dev = rank_device()
+    steps, micro = 3, 2
+    ref_hist, ref_grads = _one_process_block(steps, micro)
+    common: dict[str, Any] = {"tp_group": groups.tp, "sequence_parallel": sp, "bias": False,
+                              "init_method": Normal(0.3), "seed": SEED, "device": dev,
+                              "fp8": DELAYED}  # fmt: skip
+    fc1 = ColumnParallelLinear(H, FFN, name="fc1", **common)
+    fc2 = RowParallelLinear(FFN, H, name="fc2", **common)
+    rank, dp_rank = groups.rank("tp"), groups.rank("dp")
+    for step in range(steps):
+        fc1.weight.grad = fc2.weight.grad = None
+        for m in range(micro):
+            if m % dp != dp_rank:  # dp: the micro-batches split over the ranks
+                continue
+            x, dy = _block_data(step, m)
+            if sp:
+                x, dy = shard_tensor(x, 0, rank, tp), shard_tensor(dy, 0, rank, tp)
+            fc2(F.gelu(fc1(x.to(dev)))).backward(dy.to(dev))
+        update_fp8_amax_histories([fc1, fc2], groups.tp_dp_cp)
+    for layer, want in zip((fc1, fc2), ref_hist, strict=True):
+        assert layer.fp8_amax is not None
+        assert torch.equal(layer.fp8_amax.history.cpu(), want), (tp, sp, dp)
+    if dp == 1:  # the last step's gradients: warm scales, the whole batch on each rank
+        assert fc1.weight.grad is not None and fc2.weight.grad is not None
+        for got, want, dim in (
+            (fc1.weight.grad, ref_grads[0], 0),
+            (fc2.weight.grad, ref_grads[1], 1),
+        ):
+            assert_close_to_reference(
+                got.cpu(), shard_tensor(want, dim, rank, tp), reduction_length=N_BLOCK,
+                name=f"weight grad tp{tp}{' sp' if sp else ''}",
+            )  # fmt: skip
+    if tp > 1:  # each rank's local max differs: the all-reduce is what makes them one
+        local = torch.tensor([float(fc1.weight.detach().abs().amax())])
+        gathered = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(gathered, local, group=groups.tp)
+        assert len({float(g) for g in gathered}) == tp
+
+
+LAYOUTS = [(2, False, 1), (2, True, 1), (1, False, 2)]
+
+
+@pytest.mark.parametrize(
+    ("tp", "sp", "dp"), LAYOUTS, ids=[f"tp{t}{'-sp' if s else ''}-dp{d}" for t, s, d in LAYOUTS]
+)
+def test_layouts_record_the_one_process_history(
+    dist_pool: DistPool, tp: int, sp: bool, dp: int
+) -> None:
+    dist_pool.run(_check_layout, tp * dp, args=(tp, sp, dp))
+
+
+# ---- bad input: one sentence naming the values and the way out ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("build", "pattern"),
+    [
+        (lambda: Fp8Recipe(amax_history=-1), r"amax_history \(-1\) must be a non-negative integer"),
+        (lambda: Fp8Recipe(amax_history=True), r"amax_history \(True\) must be a non-negative"),
+        (lambda: Fp8Recipe(scaling="row", amax_history=4), r"tensor-wise only, not scaling='row'"),
+        (lambda: Fp8AmaxHistory(0), r"Fp8AmaxHistory length \(0\) must be a positive integer"),
+        (
+            lambda: set_fp8_grad_unit([Fp8AmaxHistory(2)], 0),
+            r"set_fp8_grad_unit: unit \(0\) must be a positive number",
+        ),
+        (
+            lambda: fp8_linear(torch.ones(16, 16), torch.ones(16, 16), recipe=DELAYED),
+            r"fp8_linear with Fp8Recipe\(amax_history=2\) needs the layer's amax history",
+        ),
+        (
+            lambda: fp8_linear(
+                torch.ones(16, 16),
+                torch.ones(16, 16),
+                recipe=CURRENT,
+                delayed=Fp8AmaxHistory(2).for_forward(torch.ones(1)),
+            ),
+            r"got delayed=\.\.\. but its recipe scales by the current amax",
+        ),
+        (
+            lambda: check_fp8_layout("ColumnParallelLinear", DELAYED, 2, ("out/tp", 32), True),
+            r"tp_comm_overlap=True scales by the current amax only, not "
+            r"Fp8Recipe\(amax_history=2\)",
+        ),
+    ],
+    ids=[
+        "negative",
+        "bool",
+        "row",
+        "zero-length",
+        "grad-unit",
+        "no-history",
+        "history-without-recipe",
+        "overlap",
+    ],
+)
+def test_bad_input_raises_one_sentence(build: Any, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern) as info:
+        build()
+    message = str(info.value)
+    assert "\n" not in message, message
