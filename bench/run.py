@@ -475,6 +475,33 @@ SUITES["s11"] = [
     SUITES["s10b"][3],
 ]  # fmt: skip
 
+# delayed FP8's loss over 200 steps beside bf16's own spread (two bf16 runs that differ only
+# in the micro-batch split, so in summation order) and current-scaling FP8: the trainer on
+# 1b-bench, global batch 8, every step logged; bench/compare_runs.py prints the table (~560 s)
+_LOSS = (
+    "python3 -m mega_pretrain --model.size 1b-bench --train.seq_len 2048 --train.steps 200 "
+    "--train.global_batch_size 8 --train.compile true --train.log_interval 1 "
+    "--train.eval_interval 0 --checkpoint.save_interval 0 --run.out_dir /tmp/runs"
+)
+
+
+def _loss_run(name: str, flags: str) -> str:
+    """The run, then its end-of-run checkpoint removed (~14 GB each at 1b-bench)."""
+    return (
+        f"{_LOSS} {flags} --run.name {name}; rc=$?; rm -rf /tmp/runs/{name}/checkpoints; exit $rc"
+    )
+
+
+SUITES["fp8loss"] = [
+    ("loss bf16", 150, _loss_run("l-bf16", "--train.micro_batch_size 8")),
+    ("loss bf16 mb4", 150, _loss_run("l-bf16-mb4", "--train.micro_batch_size 4")),
+    ("loss fp8 delayed", 150, _loss_run("l-fp8d", "--train.micro_batch_size 8 --train.fp8 true "
+                                                  "--train.fp8_amax_history 16")),
+    ("loss fp8", 150, _loss_run("l-fp8", "--train.micro_batch_size 8 --train.fp8 true")),
+    ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/l-bf16 /tmp/runs/l-bf16-mb4 "
+                    "/tmp/runs/l-fp8d /tmp/runs/l-fp8"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
