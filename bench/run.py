@@ -502,6 +502,17 @@ SUITES["fp8loss"] = [
                     "/tmp/runs/l-fp8d /tmp/runs/l-fp8"),
 ]  # fmt: skip
 
+# the eleventh session's call once the device budget was down to one call: delayed FP8's
+# speed beside bf16 and its 200-step loss beside bf16's, current scaling last (~560 s)
+SUITES["s11a"] = [
+    SUITES["s11"][0],
+    SUITES["s11"][2],
+    SUITES["fp8loss"][2],
+    SUITES["fp8loss"][0],
+    ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/l-bf16 /tmp/runs/l-fp8d"),
+    SUITES["s11"][1],
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
