@@ -45,8 +45,8 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def summary(prof: profile, steps: int, label: str, cuda: bool = True) -> str:
-    """Kernel time per step by kind, then the 20 costliest kernels, of ``steps`` steps."""
+def summary(prof: profile, steps: int, label: str, cuda: bool = True, top: int = 20) -> str:
+    """Kernel time per step by kind, then the ``top`` costliest kernels, of ``steps`` steps."""
     by_kind: dict[str, float] = defaultdict(float)
     by_name: dict[str, tuple[float, int]] = {}
     for e in prof.key_averages():
@@ -60,7 +60,7 @@ def summary(prof: profile, steps: int, label: str, cuda: bool = True) -> str:
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {kind:<10} {us / steps / 1e3:8.2f} ms  {us / total:6.1%}")
     lines.append("  top kernels (ms/step, calls/step):")
-    for name, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]:
+    for name, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(
             f"  {us / steps / 1e3:8.2f} {count / steps:7.1f}  {kind_of(name):<9} {name[:110]}"
         )

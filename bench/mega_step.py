@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import replace
@@ -136,7 +137,9 @@ def main() -> None:
             s = time.perf_counter()
             loss, _ = runner.train_step(batches, 3e-4)
             times.append(1e3 * (time.perf_counter() - s))
-    profiled = _profile(runner, batches, args.profile, args.size) if args.profile else ""
+    profiled, every_kernel = (
+        _profile(runner, batches, args.profile, args.size) if args.profile else ("", "")
+    )
     med = statistics.median(times)
     tokens = plan.tokens_per_step
     flops = plan.flops_per_token()  # the family's count: hybrid sizes get their own
@@ -164,15 +167,17 @@ def main() -> None:
         if profiled:
             print(profiled, flush=True)
             if out:
-                name = f"profile_{args.size}{'_fp8' if args.fp8 else ''}.txt"
+                tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", result["system"])
+                name = f"profile_{args.size}_{tag}.txt"  # every kernel, not only the top 20
                 with open(os.path.join(out, name), "w") as f:
-                    f.write(profiled + "\n")
+                    f.write(every_kernel + "\n")
     dist.destroy_process_group()
 
 
 def _profile(runner: StepRunner, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
-             label: str) -> str:  # fmt: skip
-    """Kernel time per step by kind over ``steps`` steady-state steps."""
+             label: str) -> tuple[str, str]:  # fmt: skip
+    """Kernel time per step by kind over ``steps`` steady-state steps: the top 20 kernels,
+    and every kernel."""
     from kernel_profile import summary
     from torch.profiler import ProfilerActivity, profile
 
@@ -182,7 +187,7 @@ def _profile(runner: StepRunner, batches: list[tuple[torch.Tensor, torch.Tensor]
             runner.train_step(batches, 3e-4)
         if cuda:
             torch.cuda.synchronize()
-    return summary(prof, steps, label, cuda)
+    return summary(prof, steps, label, cuda), summary(prof, steps, label, cuda, top=10**6)
 
 
 if __name__ == "__main__":

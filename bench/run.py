@@ -513,6 +513,20 @@ SUITES["s11a"] = [
     SUITES["s11"][1],
 ]  # fmt: skip
 
+# why delayed FP8 ran no faster than current scaling (s11a: 1.172x vs 1.202x bf16): every
+# kernel of both steps profiled, and delayed with its amax recording switched off in parts,
+# beside the fixed-scale bound (~250 s)
+_FP8 = "--size 1b-bench --mb 8 --compile --fp8"
+SUITES["s11b"] = [
+    ("profile fp8 delayed", 100, f"{_DELAYED} --steps 4 --warmup 4 --profile 3"),
+    ("profile fp8", 100, f"{_STEP} {_FP8} --steps 4 --warmup 3 --profile 3"),
+    ("delayed no-record", 90, f"python3 bench/fp8_delayed_parts.py --part no-record {_FP8} "
+                              "--set train.fp8_amax_history=16 --steps 10 --warmup 4"),
+    ("delayed no-probe", 90, f"python3 bench/fp8_delayed_parts.py --part no-probe {_FP8} "
+                             "--set train.fp8_amax_history=16 --steps 10 --warmup 4"),
+    ("fixed-scale bound", 90, f"python3 bench/fp8_fixed_scale.py {_FP8} --steps 10 --warmup 3"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -1,0 +1,55 @@
+"""Where delayed FP8 scaling's time goes: ``bench/mega_step.py`` with parts of it switched off.
+
+    python3 bench/fp8_delayed_parts.py --part no-record --size 1b-bench --mb 8 --compile --fp8 \\
+        --set train.fp8_amax_history=16   # one GPU
+
+``--part no-record``: the forward records no ``|x|`` max (each layer's history keeps its
+cold step's input amax), so the input's cast has no reduction beside it. ``--part
+no-probe``: the backward records no ``|dy|`` max either (no probe). The
+losses stay meaningful for a few steps only; the step time says what the recording costs
+against the fixed-scale bound (``bench/fp8_fixed_scale.py``). Other arguments go to
+``bench/mega_step.py``; the result is tagged with the part.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+import mega_tp_layers.fp8_delayed as delayed
+
+
+def _no_record(self: delayed.Fp8AmaxHistory, x: Tensor) -> delayed.Fp8Delayed:
+    if not self.warm:  # the cold step records, so the history has a scale to use
+        return _record(self, x)
+    return delayed.Fp8Delayed(self.history.amax(dim=0), self.probe)
+
+
+def _no_probe(self: delayed.Fp8AmaxHistory, x: Tensor) -> delayed.Fp8Delayed:
+    if not self.warm:
+        return _record(self, x)
+    # no probe: the linear's backward computes no |dy| max (the scales stay the cold step's)
+    return delayed.Fp8Delayed(self.history.amax(dim=0), None)  # type: ignore[arg-type]
+
+
+_record = delayed.Fp8AmaxHistory.for_forward
+
+
+if __name__ == "__main__":
+    part = sys.argv[sys.argv.index("--part") + 1]
+    rest = [
+        a for i, a in enumerate(sys.argv[1:], 1) if a != "--part" and sys.argv[i - 1] != "--part"
+    ]
+    if part not in ("no-record", "no-probe"):
+        raise SystemExit(f"--part {part!r}: use no-record or no-probe")
+    patch = _no_record if part == "no-record" else _no_probe
+    delayed.Fp8AmaxHistory.for_forward = patch  # type: ignore[method-assign]
+    sys.path.insert(0, str(Path(__file__).parent))
+    import mega_step
+
+    sys.argv = [sys.argv[0], *rest, "--tag", part]
+    torch.manual_seed(0)
+    mega_step.main()
