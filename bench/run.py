@@ -527,6 +527,13 @@ SUITES["s11b"] = [
     ("fixed-scale bound", 90, f"python3 bench/fp8_fixed_scale.py {_FP8} --steps 10 --warmup 3"),
 ]  # fmt: skip
 
+# the fixed-scale bound beside the dynamic step on one machine (the tenth session compared
+# them across two H100s); ~80 s
+SUITES["s11c"] = [
+    SUITES["s11b"][4],
+    ("mega compile fp8", 90, f"{_STEP} {_FP8} --steps 10 --warmup 3"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
