@@ -8,7 +8,9 @@ cold step's input amax), so the input's cast has no reduction beside it. ``--par
 no-probe``: the backward records no ``|dy|`` max either (no probe). The
 losses stay meaningful for a few steps only; the step time says what the recording costs
 against the fixed-scale bound (``bench/fp8_fixed_scale.py``). Other arguments go to
-``bench/mega_step.py``; the result is tagged with the part.
+``bench/mega_step.py``; the result is tagged with the part. ``--part whole-amax``: current
+scaling with the whole-tensor amax it had before ``recorded_amax`` (the baseline of that
+change).
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
+import mega_tp_layers.fp8 as fp8
 import mega_tp_layers.fp8_delayed as delayed
 
 
@@ -38,15 +43,29 @@ def _no_probe(self: delayed.Fp8AmaxHistory, x: Tensor) -> delayed.Fp8Delayed:
 _record = delayed.Fp8AmaxHistory.for_forward
 
 
+def _whole_amax(
+    x: Tensor, dtype: torch.dtype, eps: float = 1e-12, group: ProcessGroup | None = None
+) -> fp8.Fp8Tensor:
+    """Current scaling as before the rows-first amax: one whole-tensor max."""
+    x32 = x.detach().float()
+    amax = x32.abs().amax()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)
+    return fp8.fp8_quantize_by_amax(x32, amax, dtype, eps)
+
+
 if __name__ == "__main__":
     part = sys.argv[sys.argv.index("--part") + 1]
     rest = [
         a for i, a in enumerate(sys.argv[1:], 1) if a != "--part" and sys.argv[i - 1] != "--part"
     ]
-    if part not in ("no-record", "no-probe"):
-        raise SystemExit(f"--part {part!r}: use no-record or no-probe")
-    patch = _no_record if part == "no-record" else _no_probe
-    delayed.Fp8AmaxHistory.for_forward = patch  # type: ignore[method-assign]
+    if part not in ("no-record", "no-probe", "whole-amax"):
+        raise SystemExit(f"--part {part!r}: use no-record, no-probe or whole-amax")
+    if part == "whole-amax":  # looked up at call time, as bench/fp8_fixed_scale.py does
+        fp8.fp8_quantize = _whole_amax
+    else:
+        patch = _no_record if part == "no-record" else _no_probe
+        delayed.Fp8AmaxHistory.for_forward = patch  # type: ignore[method-assign]
     sys.path.insert(0, str(Path(__file__).parent))
     import mega_step
 

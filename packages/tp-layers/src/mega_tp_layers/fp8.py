@@ -47,7 +47,7 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from mega_tp_layers._comm import all_reduce_max, group_size
-from mega_tp_layers.fp8_delayed import Fp8Delayed
+from mega_tp_layers.fp8_delayed import Fp8Delayed, recorded_amax
 from mega_tp_layers.fp8_scaling import (
     SCALINGS,
     Fp8Shard,
@@ -218,7 +218,7 @@ def fp8_quantize(
             "use torch.float8_e4m3fn or torch.float8_e5m2"
         )
     x32 = x.detach().float()
-    amax = x32.abs().amax()
+    amax = recorded_amax(x)  # rows first: the reduction can fuse into x's producer
     if group is not None and group_size(group) > 1:
         all_reduce_max(amax, group)  # the whole tensor's amax
     return fp8_quantize_by_amax(x32, amax, dtype, eps)
@@ -577,7 +577,7 @@ class _Fp8Linear(Function):
                 )
             return grad_w, grad.sum(dim=0) if need_b else None
 
-        probe_grad = grad.detach().abs().amax().float() if ctx.delayed else None
+        probe_grad = recorded_amax(grad) if ctx.delayed else None
         if ctx.deferred is not None:
             store, w_param, b_param = ctx.deferred
             store.defer(wgrad, (w_param, b_param))

@@ -58,6 +58,15 @@ __all__ = [
 INPUT, GRAD = 0, 1
 
 
+def recorded_amax(t: Tensor) -> Tensor:
+    """``|t|``'s max as a 0-d fp32 tensor, reduced over the last dim first: a per-row
+    reduction that ``torch.compile`` can fuse into the kernel producing ``t`` (a norm's rows,
+    an elementwise op's), where a whole-tensor max becomes a pass of its own over ``t``.
+    Exact either way: a max rounds nothing."""
+    rows = t.detach().abs().amax(dim=-1) if t.dim() > 0 else t.detach().abs()
+    return rows.amax().float()
+
+
 class Fp8Delayed(NamedTuple):
     """What a linear's autograd Function takes for delayed scaling."""
 
@@ -101,7 +110,7 @@ class Fp8AmaxHistory(nn.Module):
     def for_forward(self, x: Tensor) -> Fp8Delayed:
         """Records ``x``'s amax (in training, with gradients on) and returns the scales."""
         if self.training and torch.is_grad_enabled():
-            amax = x.detach().abs().amax().float().reshape(1)
+            amax = recorded_amax(x).reshape(1)
             self.current[INPUT:GRAD] = torch.maximum(self.current[INPUT:GRAD], amax)
         if not self.warm:
             return Fp8Delayed(None, self.probe)

@@ -56,7 +56,7 @@ from mega_tp_layers.fp8 import (
     fp8_linear_wgrad,
     shared_grad,
 )
-from mega_tp_layers.fp8_delayed import Fp8AmaxHistory, Fp8Delayed
+from mega_tp_layers.fp8_delayed import Fp8AmaxHistory, Fp8Delayed, recorded_amax
 from mega_tp_layers.fp8_scaling import check_fp8_layout
 from mega_tp_layers.init import InitMethod, Normal, PaddedRows, Zeros
 from mega_tp_layers.mappings import (
@@ -119,7 +119,7 @@ class _ColumnParallelMatmul(Function):
         x, weight, x_amax, g_amax = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         group, sp, fp8 = ctx.group, ctx.sequence_parallel, ctx.fp8
-        probe_grad = grad.detach().abs().amax().float() if ctx.delayed else None
+        probe_grad = recorded_amax(grad) if ctx.delayed else None
         if ctx.deferred is not None:
             return *_column_dgrad_deferring_wgrad(
                 ctx.deferred, x, weight, grad, group, sp, fp8, (x_amax, g_amax)
