@@ -8,9 +8,9 @@ cold step's input amax), so the input's cast has no reduction beside it. ``--par
 no-probe``: the backward records no ``|dy|`` max either (no probe). The
 losses stay meaningful for a few steps only; the step time says what the recording costs
 against the fixed-scale bound (``bench/fp8_fixed_scale.py``). Other arguments go to
-``bench/mega_step.py``; the result is tagged with the part. ``--part whole-amax``: current
-scaling with the whole-tensor amax it had before ``recorded_amax`` (the baseline of that
-change).
+``bench/mega_step.py``; the result is tagged with the part. ``--part rows-amax``: current
+scaling (no history) with its amaxes reduced over rows first, as delayed scaling records
+them (``recorded_amax``); ``fp8_quantize`` keeps the whole-tensor max until this is measured.
 """
 
 from __future__ import annotations
@@ -43,15 +43,15 @@ def _no_probe(self: delayed.Fp8AmaxHistory, x: Tensor) -> delayed.Fp8Delayed:
 _record = delayed.Fp8AmaxHistory.for_forward
 
 
-def _whole_amax(
+def _rows_amax(
     x: Tensor, dtype: torch.dtype, eps: float = 1e-12, group: ProcessGroup | None = None
 ) -> fp8.Fp8Tensor:
-    """Current scaling as before the rows-first amax: one whole-tensor max."""
-    x32 = x.detach().float()
-    amax = x32.abs().amax()
+    """Current scaling with the amax reduced over rows first (``recorded_amax``), so that the
+    reduction has the producing kernel's shape."""
+    amax = delayed.recorded_amax(x)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)
-    return fp8.fp8_quantize_by_amax(x32, amax, dtype, eps)
+    return fp8.fp8_quantize_by_amax(x.detach().float(), amax, dtype, eps)
 
 
 if __name__ == "__main__":
@@ -59,10 +59,10 @@ if __name__ == "__main__":
     rest = [
         a for i, a in enumerate(sys.argv[1:], 1) if a != "--part" and sys.argv[i - 1] != "--part"
     ]
-    if part not in ("no-record", "no-probe", "whole-amax"):
-        raise SystemExit(f"--part {part!r}: use no-record, no-probe or whole-amax")
-    if part == "whole-amax":  # looked up at call time, as bench/fp8_fixed_scale.py does
-        fp8.fp8_quantize = _whole_amax
+    if part not in ("no-record", "no-probe", "rows-amax"):
+        raise SystemExit(f"--part {part!r}: use no-record, no-probe or rows-amax")
+    if part == "rows-amax":  # looked up at call time, as bench/fp8_fixed_scale.py does
+        fp8.fp8_quantize = _rows_amax
     else:
         patch = _no_record if part == "no-record" else _no_probe
         delayed.Fp8AmaxHistory.for_forward = patch  # type: ignore[method-assign]

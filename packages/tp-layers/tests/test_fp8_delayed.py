@@ -37,6 +37,7 @@ from mega_tp_layers import (
     fp8_linear,
     init_full,
     param_generator,
+    recorded_amax,
     refresh_fp8_amax_histories,
     set_fp8_grad_unit,
     shard_tensor,
@@ -139,6 +140,17 @@ def test_history_keeps_the_last_n_steps() -> None:
     assert torch.equal(history.history.amax(0), torch.tensor([4.0, 3.0]))
     history.push(torch.tensor([2.0, 0.5]))  # the first step drops out
     assert torch.equal(history.history.amax(0), torch.tensor([2.0, 3.0]))
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (7, 3), (4, 2, 9)], ids=["0d", "1d", "2d", "3d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recorded_amax_is_the_whole_tensor_max(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Rows first, then the rows' max: the same value as one max over every element (a max
+    rounds nothing), as a 0-d fp32 tensor, with no gradient."""
+    x = _randn(*(shape or (1,)), seed=11, scale=3.0).reshape(shape).to(dtype).requires_grad_()
+    got = recorded_amax(x)
+    assert got.dtype == torch.float32 and got.dim() == 0 and not got.requires_grad
+    assert torch.equal(got, x.detach().abs().amax().float())
 
 
 def test_grad_unit_keeps_one_process_units() -> None:

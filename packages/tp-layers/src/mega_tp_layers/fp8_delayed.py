@@ -49,6 +49,7 @@ __all__ = [
     "Fp8AmaxHistory",
     "Fp8Delayed",
     "discard_fp8_amaxes",
+    "recorded_amax",
     "refresh_fp8_amax_histories",
     "set_fp8_grad_unit",
     "update_fp8_amax_histories",
