@@ -166,6 +166,21 @@ def test_grad_unit_keeps_one_process_units() -> None:
     assert "grad_unit=4.0" in repr(history)
 
 
+def test_update_pushes_histories_of_several_lengths_and_units() -> None:
+    """The batched update: each history gets its own row, whatever its length and unit."""
+    a, b, c = Fp8AmaxHistory(2), Fp8AmaxHistory(3), Fp8AmaxHistory(2)
+    set_fp8_grad_unit([b], 2)
+    for step in range(3):
+        for i, h in enumerate((a, b, c)):
+            h.current.copy_(torch.tensor([1.0 + step + 10 * i, 4.0 * (step + 1)]))
+        assert update_fp8_amax_histories([a, b, c], None) == 3
+        assert not any(bool(h.current.any()) for h in (a, b, c))
+    for i, h in enumerate((a, b, c)):
+        unit = 2.0 if h is b else 1.0
+        want = [[3.0 - k + 10 * i, 4.0 * (3 - k) / unit] for k in range(h.length)]
+        assert torch.equal(h.history, torch.tensor(want)), (i, h.history)
+
+
 def test_skipped_step_and_resume() -> None:
     history = Fp8AmaxHistory(3)
     history.push(torch.tensor([2.0, 1.0]))

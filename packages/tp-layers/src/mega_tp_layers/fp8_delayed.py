@@ -104,8 +104,8 @@ class Fp8AmaxHistory(nn.Module):
     @torch.no_grad()
     def _fold_grad_amax(self, probe: Tensor) -> None:
         assert probe.grad is not None
-        grad_amax = probe.grad.reshape(1).to(self.current.dtype)
-        self.current[GRAD:].copy_(torch.maximum(self.current[GRAD:], grad_amax))
+        running = self.current[GRAD:]
+        torch.maximum(running, probe.grad.reshape(1), out=running)  # one kernel a micro-batch
         probe.grad = None
 
     def for_forward(self, x: Tensor) -> Fp8Delayed:
@@ -172,18 +172,34 @@ def update_fp8_amax_histories(modules: Iterable[nn.Module], group: ProcessGroup 
     current = torch.stack([h.current for h in histories])  # [layers, 2]
     if group is not None and group_size(group) > 1:
         all_reduce_max(current, group)
-    units = torch.tensor([[1.0, h.grad_unit] for h in histories], device=current.device)
-    current = current / units  # the gradient column in one process's units
-    for history, amax in zip(histories, current.unbind(0), strict=True):
-        history.push(amax)
+    units = {h.grad_unit for h in histories}
+    if units != {1.0}:  # the gradient column in one process's units
+        if len(units) == 1:
+            current[:, GRAD] /= units.pop()
+        else:
+            for row, history in enumerate(histories):
+                current[row, GRAD] /= history.grad_unit
+    by_length: dict[int, list[int]] = {}
+    for row, history in enumerate(histories):
+        by_length.setdefault(history.length, []).append(row)
+    for rows in by_length.values():  # histories of one length at once: a few kernels a step
+        group_histories = [histories[row].history for row in rows]
+        stacked = torch.stack(group_histories)  # [layers, n, 2], shifted by one row below
+        top = current[rows].unsqueeze(1) if len(rows) < len(histories) else current.unsqueeze(1)
+        shifted = torch.cat([top, stacked[:, :-1]], dim=1)
+        torch._foreach_copy_(group_histories, list(shifted.unbind(0)))
+    torch._foreach_zero_([h.current for h in histories])
+    for history in histories:
+        history.warm = True
     return len(histories)
 
 
 @torch.no_grad()
 def discard_fp8_amaxes(modules: Iterable[nn.Module]) -> None:
     """A skipped step (non-finite gradients): its running maxes are dropped, not pushed."""
-    for history in _histories(modules):
-        history.current.zero_()
+    histories = _histories(modules)
+    if histories:
+        torch._foreach_zero_([h.current for h in histories])
 
 
 def set_fp8_grad_unit(modules: Iterable[nn.Module], unit: float) -> None:
