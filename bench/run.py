@@ -553,6 +553,13 @@ SUITES["owed11"] = [
     SUITES["s11b"][0],
     SUITES["s11"][3],
 ]  # fmt: skip
+# the 1-step history's loss beside bf16 at 1b-bench (~260 s; the 16-step one is s11a's)
+SUITES["fp8loss1"] = [
+    SUITES["fp8loss"][0],
+    ("loss fp8 delayed 1", 150, _loss_run("l-fp8d1", "--train.micro_batch_size 8 --train.fp8 true "
+                                                     "--train.fp8_amax_history 1")),
+    ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/l-bf16 /tmp/runs/l-fp8d1"),
+]  # fmt: skip
 
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",

@@ -209,7 +209,9 @@ class TrainConfig:
     first step scales by the current amax; the histories are maxed over tp x dp x cp once a
     step (every layout scales as one process does) and saved in checkpoints. Measured on an
     H200 (`1b-bench`, history 16): 0.975x current scaling's speed, and a loss up to 3.5 %
-    above bf16's over 200 steps (bench/RESULTS.md): an option to study, not a speed-up."""
+    above bf16's over 200 steps (bench/RESULTS.md): an option to study, not a speed-up. A long
+    history keeps a loss spike's amaxes for n steps; 1 (Megatron's default length) follows
+    the tensors one step late."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     compile: bool = False
