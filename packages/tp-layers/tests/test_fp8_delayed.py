@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mega_parallel_grid import ParallelConfig, init_process_groups
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
@@ -179,6 +180,33 @@ def test_update_pushes_histories_of_several_lengths_and_units() -> None:
         unit = 2.0 if h is b else 1.0
         want = [[3.0 - k + 10 * i, 4.0 * (3 - k) / unit] for k in range(h.length)]
         assert torch.equal(h.history, torch.tensor(want)), (i, h.history)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the operators called at the top level (a foreach op once, as on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _update_ops(layers: int) -> list[str]:
+    histories = [Fp8AmaxHistory(4) for _ in range(layers)]
+    for h in histories:
+        h.current.fill_(1.0)
+    with _CountOps() as mode:
+        update_fp8_amax_histories(histories, None)
+    return mode.calls
+
+
+def test_update_costs_the_same_ops_for_any_number_of_layers() -> None:
+    """A step's update is batched: ten times the layers, the same operator calls (on a GPU,
+    the same few kernel launches), not a few per layer."""
+    assert _update_ops(40) == _update_ops(4)
 
 
 def test_skipped_step_and_resume() -> None:
