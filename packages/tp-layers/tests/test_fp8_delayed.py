@@ -34,6 +34,8 @@ from mega_tp_layers import (
     Fp8Recipe,
     Normal,
     RowParallelLinear,
+    amax_history_for,
+    delayed_for,
     discard_fp8_amaxes,
     fp8_linear,
     init_full,
@@ -59,16 +61,23 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+def _push(history: Fp8AmaxHistory, amax: Tensor) -> None:
+    """One finished step of ``history`` alone: its running maxes set to ``amax``, then the
+    step's update."""
+    history.current.copy_(amax)
+    update_fp8_amax_histories([history], None)
+
+
 class _Linear(nn.Module):
     """``fp8_linear`` with an amax history, as the layers wire it."""
 
     def __init__(self, recipe: Fp8Recipe, weight: Tensor) -> None:
         super().__init__()
         self.recipe, self.weight = recipe, nn.Parameter(weight.clone())
-        self.fp8_amax = Fp8AmaxHistory(recipe.amax_history) if recipe.delayed else None
+        self.fp8_amax = amax_history_for(recipe, None)
 
     def forward(self, x: Tensor) -> Tensor:
-        delayed = None if self.fp8_amax is None else self.fp8_amax.for_forward(x)
+        delayed = delayed_for(self.fp8_amax, x)
         return fp8_linear(x, self.weight, recipe=self.recipe, delayed=delayed)
 
 
@@ -114,7 +123,7 @@ def test_warm_step_scales_by_the_history_max_exactly() -> None:
     assert history is not None
     amaxes = [(4.0, 1e-2), (1.5, 3e-3), (2.5, 2e-3)]  # step by step: (|x| max, |dy| max)
     for ax, ag in amaxes:
-        history.push(torch.tensor([ax, ag]))
+        _push(history, torch.tensor([ax, ag]))
     # the last 2 steps count: 2.5 for the input, 3e-3 for the gradient
     ax, ag = torch.tensor(2.5), torch.tensor(3e-3)
     x = _randn(16, H, seed=7)
@@ -136,10 +145,10 @@ def test_warm_step_scales_by_the_history_max_exactly() -> None:
 
 def test_history_keeps_the_last_n_steps() -> None:
     history = Fp8AmaxHistory(2)
-    history.push(torch.tensor([4.0, 1.0]))
-    history.push(torch.tensor([1.0, 3.0]))
+    _push(history, torch.tensor([4.0, 1.0]))
+    _push(history, torch.tensor([1.0, 3.0]))
     assert torch.equal(history.history.amax(0), torch.tensor([4.0, 3.0]))
-    history.push(torch.tensor([2.0, 0.5]))  # the first step drops out
+    _push(history, torch.tensor([2.0, 0.5]))  # the first step drops out
     assert torch.equal(history.history.amax(0), torch.tensor([2.0, 3.0]))
 
 
@@ -211,7 +220,7 @@ def test_update_costs_the_same_ops_for_any_number_of_layers() -> None:
 
 def test_skipped_step_and_resume() -> None:
     history = Fp8AmaxHistory(3)
-    history.push(torch.tensor([2.0, 1.0]))
+    _push(history, torch.tensor([2.0, 1.0]))
     history.current.copy_(torch.tensor([float("inf"), 5.0]))  # a step with non-finite values
     discard_fp8_amaxes([history])
     assert not bool(history.current.any()) and torch.equal(

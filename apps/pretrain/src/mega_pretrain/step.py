@@ -25,7 +25,12 @@ from mega_pipeline import (
 )
 from mega_pretrain.build import Built
 from mega_pretrain.phase_timer import PhaseTimer
-from mega_tp_layers import defer_weight_grads, discard_fp8_amaxes, update_fp8_amax_histories
+from mega_tp_layers import (
+    defer_weight_grads,
+    discard_fp8_amaxes,
+    fp8_amax_histories,
+    update_fp8_amax_histories,
+)
 from mega_zero_optim import StepResult
 
 __all__ = ["Microbatch", "StepRunner"]
@@ -82,6 +87,7 @@ class StepRunner:
         self.built, self.groups, self.device = built, groups, device
         self.model = nn.ModuleList(built.chunks)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
+        self.amax_histories = fp8_amax_histories(built.chunks)  # delayed fp8 scaling
         self.cp = groups.size("cp")
         self.last_losses: list[dict[str, Tensor]] = []
         self.packing = built.packing
@@ -201,10 +207,10 @@ class StepRunner:
                 ddp.finish_grad_sync()
             finalize_model_grads(self.built.chunks, self.groups)
             result = optimizer.step()
-            if result.updated:  # delayed fp8 scaling: this step's amaxes, as one process's
-                update_fp8_amax_histories(self.built.chunks, self.groups.tp_dp_cp)
-            else:
-                discard_fp8_amaxes(self.built.chunks)
+            if self.amax_histories and result.updated:  # this step's amaxes, as one process's
+                update_fp8_amax_histories(self.amax_histories, self.groups.tp_dp_cp)
+            elif self.amax_histories:
+                discard_fp8_amaxes(self.amax_histories)
             if self.moe_layers:  # every tp x dp x cp replica of a router sees the same load
                 update_expert_biases(self.model, self.groups.tp_dp_cp)
         return loss, result
@@ -214,7 +220,7 @@ class StepRunner:
         """After a skipped step (non-finite gradients): drop what its forwards counted
         toward the next expert-bias update, and the amaxes recorded for delayed fp8 scaling,
         as they drop their gradients."""
-        discard_fp8_amaxes(self.built.chunks)
+        discard_fp8_amaxes(self.amax_histories)
         for layer in self.moe_layers:
             load = getattr(layer.router, "load", None)
             if isinstance(load, Tensor):

@@ -9,13 +9,14 @@ from torch.distributed import ProcessGroup
 
 from mega_parallel_grid import group_rank, group_size
 from mega_tp_layers import (
-    Fp8AmaxHistory,
     Fp8Recipe,
     Fp8Shard,
     InitMethod,
     ShardedModule,
     ShardSpec,
+    amax_history_for,
     creation_generator,
+    delayed_for,
     fp8_linear,
 )
 
@@ -56,19 +57,17 @@ class ReplicatedLinear(ShardedModule):
         )  # fmt: skip
         self.tp_group, self.sequence_parallel, self.fp8 = tp_group, sequence_parallel, fp8
         self.in_features, self.out_features = in_features, out_features
-        self.fp8_amax = (
-            Fp8AmaxHistory(fp8.amax_history, device=device) if fp8 and fp8.delayed else None
-        )
+        self.fp8_amax = amax_history_for(fp8, device)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is None:
             return F.linear(x, self.weight)
         # x and dy: sequence shards (split along the tokens)
         shard = Fp8Shard(self.tp_group, 0) if self.sequence_parallel else None
-        delayed = None if self.fp8_amax is None else self.fp8_amax.for_forward(x)
         return fp8_linear(
-            x, self.weight, recipe=self.fp8, x_group=shard, g_group=shard, delayed=delayed
-        )
+            x, self.weight, recipe=self.fp8, x_group=shard, g_group=shard,
+            delayed=delayed_for(self.fp8_amax, x),
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

@@ -345,16 +345,18 @@ def fp8_linear_forward(
         xt = _tiles(x2d, recipe.fwd_dtype, recipe, 1, False, x_group, "the input")
         wt = _tiles(weight, recipe.fwd_dtype, recipe, 1, True, w_group, "the weight")
         return tiled_gemm(xt, wt.t(), out_dtype, recipe, forward=True)
-    xq = _quantize_input(x2d, recipe, x_group, x_amax)
+    xq = _quantize(x2d, recipe.fwd_dtype, recipe, x_group, x_amax)
     wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))
     return scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe, forward=True)
 
 
-def _quantize_input(x2d: Tensor, recipe: Fp8Recipe, group: Shard, amax: Tensor | None) -> Fp8Tensor:
-    """The input by its own amax (over ``group``), or by a delayed-scaling ``amax``."""
+def _quantize(
+    t: Tensor, dtype: torch.dtype, recipe: Fp8Recipe, group: Shard, amax: Tensor | None
+) -> Fp8Tensor:
+    """``t`` tensor-wise by its own amax (over ``group``), or by a delayed-scaling ``amax``."""
     if amax is not None:
-        return fp8_quantize_by_amax(x2d, amax, recipe.fwd_dtype, recipe.eps)
-    return fp8_quantize(x2d, recipe.fwd_dtype, recipe.eps, _group(group))
+        return fp8_quantize_by_amax(t, amax, dtype, recipe.eps)
+    return fp8_quantize(t, dtype, recipe.eps, _group(group))
 
 
 def fp8_linear_dgrad(
@@ -422,7 +424,11 @@ def fp8_linear_wgrad(
         xt = _tiles(_plain(x2d, recipe), recipe.fwd_dtype, recipe, 0, False, x_group, "the input")
         return tiled_gemm(gt.t(), xt, out_dtype, recipe, forward=False)
     gq = _as_grad(grad2d, recipe, _group(g_group))
-    xq = x2d if isinstance(x2d, Fp8Tensor) else _quantize_input(x2d, recipe, x_group, x_amax)
+    xq = (
+        x2d
+        if isinstance(x2d, Fp8Tensor)
+        else _quantize(x2d, recipe.fwd_dtype, recipe, x_group, x_amax)
+    )
     return scaled_gemm(Fp8Tensor(gq.data.t(), gq.inv_scale), xq, out_dtype, recipe)
 
 
@@ -468,9 +474,7 @@ def shared_grad(
         return grad2d
     if not fp8_gemm_fits(grad2d.shape[0], grad2d.shape[1], in_features):
         return grad2d
-    if amax is not None:
-        return fp8_quantize_by_amax(grad2d, amax, recipe.grad_format, recipe.eps)
-    return fp8_quantize(grad2d, recipe.grad_format, recipe.eps, _group(group))
+    return _quantize(grad2d, recipe.grad_format, recipe, group, amax)
 
 
 def check_delayed(owner: str, recipe: Fp8Recipe | None, delayed: Fp8Delayed | None) -> None:
@@ -525,7 +529,7 @@ class _Fp8Linear(Function):
             ctx.save_for_backward(x, weight)
             out = fp8_linear_forward(x, weight, recipe, x_group=x_group, w_group=w_group)
             return out if bias is None else out + bias
-        xq = _quantize_input(x, recipe, x_group, x_amax)  # [tokens, in]
+        xq = _quantize(x, recipe.fwd_dtype, recipe, x_group, x_amax)  # [tokens, in]
         wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))  # [out, in]
         ctx.save_for_backward(xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight, g_amax)
         out = scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), x.dtype, recipe, forward=True)

@@ -36,8 +36,9 @@ layout scales as one process does. :func:`discard_fp8_amaxes` forgets a skipped 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -45,10 +46,16 @@ from torch.distributed import ProcessGroup
 
 from mega_tp_layers._comm import all_reduce_max, group_size
 
+if TYPE_CHECKING:
+    from mega_tp_layers.fp8 import Fp8Recipe
+
 __all__ = [
     "Fp8AmaxHistory",
     "Fp8Delayed",
+    "amax_history_for",
+    "delayed_for",
     "discard_fp8_amaxes",
+    "fp8_amax_histories",
     "recorded_amax",
     "refresh_fp8_amax_histories",
     "set_fp8_grad_unit",
@@ -120,13 +127,6 @@ class Fp8AmaxHistory(nn.Module):
             amax = torch.stack([amax[INPUT], amax[GRAD] * self.grad_unit])
         return Fp8Delayed(amax, self.probe)
 
-    @torch.no_grad()
-    def push(self, amax: Tensor) -> None:
-        """A finished step's ``[2]`` amaxes into the history; the running max starts over."""
-        self.history.copy_(torch.cat([amax.reshape(1, 2).float(), self.history[:-1]]))
-        self.current.zero_()
-        self.warm = True
-
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
         fresh = self.history.device.type == "meta"
         result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
@@ -154,7 +154,24 @@ class Fp8AmaxHistory(nn.Module):
         return f"length={self.length}, warm={self.warm}, grad_unit={self.grad_unit}"
 
 
-def _histories(modules: Iterable[nn.Module]) -> list[Fp8AmaxHistory]:
+def amax_history_for(
+    fp8: Fp8Recipe | None, device: torch.device | str | None
+) -> Fp8AmaxHistory | None:
+    """A layer's amax history under a delayed-scaling recipe, else None."""
+    if fp8 is None or not fp8.delayed:
+        return None
+    return Fp8AmaxHistory(fp8.amax_history, device=device)
+
+
+def delayed_for(history: Fp8AmaxHistory | None, x: Tensor) -> Fp8Delayed | None:
+    """The scales and probe of a layer's forward on ``x`` (recording its amax), if delayed."""
+    return None if history is None else history.for_forward(x)
+
+
+def fp8_amax_histories(modules: Iterable[nn.Module]) -> list[Fp8AmaxHistory]:
+    """Every amax history inside ``modules``. The functions below take any modules; a
+    trainer collects the histories once and passes this list, so that a step walks no
+    module tree."""
     return [m for module in modules for m in module.modules() if isinstance(m, Fp8AmaxHistory)]
 
 
@@ -166,7 +183,8 @@ def update_fp8_amax_histories(modules: Iterable[nn.Module], group: ProcessGroup 
     of ``group`` (the ranks holding the same layers: tp x dp x cp). Returns the number of
     histories updated.
     """
-    histories = _histories(modules)
+    # sorted by length (stable, so the same order on every rank): one row range per length
+    histories = sorted(fp8_amax_histories(modules), key=lambda h: h.length)
     if not histories:
         return 0
     current = torch.stack([h.current for h in histories])  # [layers, 2]
@@ -179,15 +197,14 @@ def update_fp8_amax_histories(modules: Iterable[nn.Module], group: ProcessGroup 
         else:
             for row, history in enumerate(histories):
                 current[row, GRAD] /= history.grad_unit
-    by_length: dict[int, list[int]] = {}
-    for row, history in enumerate(histories):
-        by_length.setdefault(history.length, []).append(row)
-    for rows in by_length.values():  # histories of one length at once: a few kernels a step
-        group_histories = [histories[row].history for row in rows]
-        stacked = torch.stack(group_histories)  # [layers, n, 2], shifted by one row below
-        top = current[rows].unsqueeze(1) if len(rows) < len(histories) else current.unsqueeze(1)
-        shifted = torch.cat([top, stacked[:, :-1]], dim=1)
-        torch._foreach_copy_(group_histories, list(shifted.unbind(0)))
+    start = 0
+    for _, same in itertools.groupby(histories, key=lambda h: h.length):
+        buffers = [h.history for h in same]  # one length at once: a few kernels a step
+        stop = start + len(buffers)
+        stacked = torch.stack(buffers)  # [layers, n, 2], shifted down by one row
+        shifted = torch.cat([current[start:stop].unsqueeze(1), stacked[:, :-1]], dim=1)
+        torch._foreach_copy_(buffers, list(shifted.unbind(0)))
+        start = stop
     torch._foreach_zero_([h.current for h in histories])
     for history in histories:
         history.warm = True
@@ -197,7 +214,7 @@ def update_fp8_amax_histories(modules: Iterable[nn.Module], group: ProcessGroup 
 @torch.no_grad()
 def discard_fp8_amaxes(modules: Iterable[nn.Module]) -> None:
     """A skipped step (non-finite gradients): its running maxes are dropped, not pushed."""
-    histories = _histories(modules)
+    histories = fp8_amax_histories(modules)
     if histories:
         torch._foreach_zero_([h.current for h in histories])
 
@@ -210,13 +227,16 @@ def set_fp8_grad_unit(modules: Iterable[nn.Module], unit: float) -> None:
             f"set_fp8_grad_unit: unit ({unit!r}) must be a positive number, the factor by "
             "which this rank's output gradients exceed one process's (1 for one process)"
         )
-    for history in _histories(modules):
+    for history in fp8_amax_histories(modules):
         history.grad_unit = float(unit)
 
 
 def refresh_fp8_amax_histories(modules: Iterable[nn.Module]) -> None:
     """After loading histories into the buffers (a resume): a loaded, non-zero history is
     warm, so the next step scales from it as the saved run's next step would have. One host
-    read per layer; call it once after a load."""
-    for history in _histories(modules):
-        history.warm = bool(history.history.any())
+    read for all of them; call it once after a load."""
+    histories = fp8_amax_histories(modules)
+    if histories:
+        loaded = torch.stack([h.history.any() for h in histories]).tolist()
+        for history, warm in zip(histories, loaded, strict=True):
+            history.warm = bool(warm)

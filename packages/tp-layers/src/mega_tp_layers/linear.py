@@ -56,7 +56,12 @@ from mega_tp_layers.fp8 import (
     fp8_linear_wgrad,
     shared_grad,
 )
-from mega_tp_layers.fp8_delayed import Fp8AmaxHistory, Fp8Delayed, recorded_amax
+from mega_tp_layers.fp8_delayed import (
+    Fp8Delayed,
+    amax_history_for,
+    delayed_for,
+    recorded_amax,
+)
 from mega_tp_layers.fp8_scaling import check_fp8_layout
 from mega_tp_layers.init import InitMethod, Normal, PaddedRows, Zeros
 from mega_tp_layers.mappings import (
@@ -266,20 +271,6 @@ def column_parallel_linear(
     if gather_output:
         out = gather_from_tp_region(out, tp_group)  # [s, b, out/tp] -> [s, b, out]
     return out
-
-
-def amax_history_for(
-    fp8: Fp8Recipe | None, device: torch.device | str | None
-) -> Fp8AmaxHistory | None:
-    """A layer's amax history under a delayed-scaling recipe (``fp8_delayed``), else None."""
-    if fp8 is None or not fp8.delayed:
-        return None
-    return Fp8AmaxHistory(fp8.amax_history, device=device)
-
-
-def delayed_for(history: Fp8AmaxHistory | None, x: Tensor) -> Fp8Delayed | None:
-    """The scales and probe of a layer's forward on ``x`` (recording its amax), if delayed."""
-    return None if history is None else history.for_forward(x)
 
 
 def _check_features(owner: str, in_features: int, out_features: int) -> None:
