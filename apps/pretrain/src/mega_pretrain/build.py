@@ -128,7 +128,10 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         stage = stage_spec(model.num_layers, pp, rank, vpp, index, split)
         chunk = spec.build(
             model, groups, stage, cp_method=p.cp_method,
-            fp8=Fp8Recipe(scaling=t.fp8_recipe, amax_history=t.fp8_amax_history)
+            fp8=Fp8Recipe(
+                scaling=t.fp8_recipe, amax_history=t.fp8_amax_history,
+                cache_weights=t.fp8_weight_cache,
+            )
             if t.fp8
             else False,
             tp_comm_overlap=p.tp_comm_overlap, **kwargs,

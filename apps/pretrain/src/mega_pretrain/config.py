@@ -212,6 +212,11 @@ class TrainConfig:
     above bf16's over 200 steps (bench/RESULTS.md): an option to study, not a speed-up. A long
     history keeps a loss spike's amaxes for n steps; 1 (Megatron's default length) follows
     the tensors one step late."""
+    fp8_weight_cache: bool = False
+    """With ``train.fp8`` and the tensor recipe: each layer quantises its weight once a step,
+    at its first micro-batch, and the later micro-batches (and recomputed forwards) read that
+    fp8 copy (Transformer Engine's weight caching across micro-batches; one byte a parameter
+    held). Bit for bit what requantising gives; it pays when a step has several micro-batches."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     compile: bool = False

@@ -29,6 +29,8 @@ from mega_tp_layers import (
     defer_weight_grads,
     discard_fp8_amaxes,
     fp8_amax_histories,
+    fp8_weight_caches,
+    invalidate_fp8_weight_caches,
     update_fp8_amax_histories,
 )
 from mega_zero_optim import StepResult
@@ -88,6 +90,7 @@ class StepRunner:
         self.model = nn.ModuleList(built.chunks)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
         self.amax_histories = fp8_amax_histories(built.chunks)  # delayed fp8 scaling
+        self.weight_caches = fp8_weight_caches(built.chunks)  # train.fp8_weight_cache
         self.cp = groups.size("cp")
         self.last_losses: list[dict[str, Tensor]] = []
         self.packing = built.packing
@@ -200,6 +203,9 @@ class StepRunner:
             ddp.zero_grad_buffer()
         for chunk in self.built.chunks:
             chunk.train()
+        # the weights may have changed since the last forward (a step, a load): each layer's
+        # first micro-batch quantises its weight again, the others read that fp8 copy
+        invalidate_fp8_weight_caches(self.weight_caches)
         with phase("fwd_bwd"):
             loss = self._run(batches, forward_only=False)
         with phase("optim"):
@@ -231,4 +237,5 @@ class StepRunner:
         """Mean loss over ``batches`` with no gradient and no update."""
         for chunk in self.built.chunks:
             chunk.eval()
+        invalidate_fp8_weight_caches(self.weight_caches)  # the weights moved since: re-quantise
         return self._run(batches, forward_only=True)

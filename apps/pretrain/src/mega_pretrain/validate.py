@@ -29,6 +29,33 @@ def _check_v_schedule(schedule: str, microbatches: int, pp: int) -> None:
         )
 
 
+def _check_fp8_weight_cache(config: TrainerConfig) -> None:
+    """``train.fp8_weight_cache``: tensor-wise fp8, and none of the layouts it cannot serve."""
+    p, t = config.parallel, config.train
+    if not (t.fp8 and t.fp8_recipe == "tensor"):
+        raise ValueError(
+            "train.fp8_weight_cache keeps tensor-wise fp8 weights, which needs train.fp8 true "
+            f"and train.fp8_recipe tensor (got fp8={str(t.fp8).lower()}, recipe "
+            f"{t.fp8_recipe}); set those or train.fp8_weight_cache false"
+        )
+    if p.tp_comm_overlap:
+        raise ValueError(
+            "train.fp8_weight_cache is not supported with parallel.tp_comm_overlap true (its "
+            "rings quantise the weight themselves); turn one of them off"
+        )
+    if p.zero_stage == "parameters":
+        raise ValueError(
+            f"train.fp8_weight_cache holds every layer's whole weight in fp8 for the run, which "
+            f"parallel.sharding {p.sharding} (ZeRO-3) exists to avoid; turn one of them off"
+        )
+    if t.compile_mode == "reduce-overhead":
+        raise ValueError(
+            "train.fp8_weight_cache writes its buffers inside the layers' forward, which "
+            "train.compile_mode reduce-overhead (CUDA graphs) has not been run with; use "
+            "compile_mode default or train.fp8_weight_cache false"
+        )
+
+
 def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Plan:
     """Raise ValueError (one sentence naming the values) for any inconsistent setting;
     return the run's plan (dp, micro-batches, stage split, ...), checked."""
@@ -88,6 +115,10 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
                 f"divisible by tp ({p.tp}); change train.seq_len"
             )
     plan.spec.check_layout(model, plan.layout_request)  # the family's own checks
+    if not isinstance(t.fp8_weight_cache, bool):
+        raise ValueError(f"train.fp8_weight_cache ({t.fp8_weight_cache!r}) must be true or false")
+    if t.fp8_weight_cache:
+        _check_fp8_weight_cache(config)
     check_compile_mode(config, model)  # train.compile_mode (CUDA graphs)
     precision = resolve_precision(t.precision)
     if t.fp8_recipe != "tensor" and not t.fp8:

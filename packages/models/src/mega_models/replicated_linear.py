@@ -15,9 +15,11 @@ from mega_tp_layers import (
     ShardedModule,
     ShardSpec,
     amax_history_for,
+    cached_fp8_weight,
     creation_generator,
     delayed_for,
     fp8_linear,
+    weight_cache_for,
 )
 
 __all__ = ["ReplicatedLinear"]
@@ -58,6 +60,7 @@ class ReplicatedLinear(ShardedModule):
         self.tp_group, self.sequence_parallel, self.fp8 = tp_group, sequence_parallel, fp8
         self.in_features, self.out_features = in_features, out_features
         self.fp8_amax = amax_history_for(fp8, device)
+        self.fp8_weight = weight_cache_for(fp8, (out_features, in_features), device)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is None:
@@ -67,6 +70,7 @@ class ReplicatedLinear(ShardedModule):
         return fp8_linear(
             x, self.weight, recipe=self.fp8, x_group=shard, g_group=shard,
             delayed=delayed_for(self.fp8_amax, x),
+            weight_q=cached_fp8_weight(self.fp8_weight, self.weight, self.fp8),
         )  # fmt: skip
 
     def extra_repr(self) -> str:

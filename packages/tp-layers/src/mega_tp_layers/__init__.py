@@ -25,6 +25,13 @@ from mega_tp_layers.fp8_delayed import (
     set_fp8_grad_unit,
     update_fp8_amax_histories,
 )
+from mega_tp_layers.fp8_weight_cache import (
+    Fp8WeightCache,
+    cached_fp8_weight,
+    fp8_weight_caches,
+    invalidate_fp8_weight_caches,
+    weight_cache_for,
+)
 from mega_tp_layers.fused_cross_entropy import fused_linear_cross_entropy
 from mega_tp_layers.grads import (
     SEQUENCE_PARALLEL_ATTR,
@@ -95,6 +102,7 @@ __all__ = [
     "Fp8Delayed",
     "Fp8Recipe",
     "Fp8Shard",
+    "Fp8WeightCache",
     "InitMethod",
     "KeepsParamAttrs",
     "Normal",
@@ -112,6 +120,7 @@ __all__ = [
     "__version__",
     "all_reduce_coalesced",
     "amax_history_for",
+    "cached_fp8_weight",
     "column_parallel_linear",
     "copy_to_tp_region",
     "creation_generator",
@@ -126,6 +135,7 @@ __all__ = [
     "fp8_linear_dgrad",
     "fp8_linear_forward",
     "fp8_linear_wgrad",
+    "fp8_weight_caches",
     "fused_linear_cross_entropy",
     "gather_from_sequence_region",
     "gather_from_tp_region",
@@ -134,6 +144,7 @@ __all__ = [
     "init_full",
     "init_parameter",
     "init_parameters",
+    "invalidate_fp8_weight_caches",
     "mark_replicated",
     "mark_sequence_parallel",
     "padded_vocab_size",
@@ -156,4 +167,5 @@ __all__ = [
     "update_fp8_amax_histories",
     "vocab_parallel_cross_entropy",
     "vocab_range",
+    "weight_cache_for",
 ]

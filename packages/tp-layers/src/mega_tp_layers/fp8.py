@@ -65,6 +65,7 @@ __all__ = [
     "Fp8Shard",
     "Fp8Tensor",
     "check_delayed",
+    "check_weight_q",
     "fp8_gemm_fits",
     "fp8_gemm_supported",
     "fp8_linear",
@@ -119,6 +120,11 @@ class Fp8Recipe:
     steps (delayed scaling, ``mega_tp_layers.fp8_delayed``), so the casts need no reduction
     first and can fuse into the kernels producing those tensors; the first step scales by
     the current amax. Megatron's ``fp8_amax_history_len``."""
+    cache_weights: bool = False
+    """True (tensor-wise only): each layer keeps its fp8 weight from the first forward after
+    :func:`~mega_tp_layers.invalidate_fp8_weight_caches` to the next, so the micro-batches of
+    one step quantise every weight once (``fp8_weight_cache``; one byte a parameter held).
+    Whoever changes the weights invalidates; the trainer does so at every step."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -157,6 +163,16 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe(amax_history={history}) is delayed scaling, which is tensor-wise "
                 f"only, not scaling={self.scaling!r}; use scaling='tensor' or amax_history=0"
+            )
+        if not isinstance(self.cache_weights, bool):
+            raise ValueError(
+                f"Fp8Recipe.cache_weights ({self.cache_weights!r}) must be True or False"
+            )
+        if self.cache_weights and self.scaling != "tensor":
+            raise ValueError(
+                f"Fp8Recipe(cache_weights=True) keeps a tensor-wise fp8 weight, not "
+                f"scaling={self.scaling!r} (each GEMM tiles the weight its own way); use "
+                "scaling='tensor' or cache_weights=False"
             )
         if not (isinstance(self.eps, float | int) and math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"Fp8Recipe.eps ({self.eps!r}) must be a positive finite number")
@@ -326,6 +342,7 @@ def fp8_linear_forward(
     x_group: Shard = None,
     w_group: Shard = None,
     x_amax: Tensor | None = None,
+    weight_q: Fp8Tensor | None = None,
 ) -> Tensor:
     """``x2d @ weight.T``: ``[M, K] x [N, K] -> [M, N]``, both in ``recipe.fwd_dtype``.
 
@@ -334,8 +351,10 @@ def fp8_linear_forward(
     :func:`fp8_quantize`); the same for the ``*_group`` arguments of the other GEMMs.
     Row/block scaling needs each as an :class:`Fp8Shard` (which dim is split).
     ``x_amax``: the amax to scale ``x2d`` by (delayed scaling), instead of its own.
+    ``weight_q``: ``weight`` quantised already (tensor-wise: a layer's weight cache).
     """
     _check_pair("fp8_linear_forward", x2d, weight, 1, 1)
+    check_weight_q("fp8_linear_forward", weight_q, weight, recipe)
     out_dtype = out_dtype if out_dtype is not None else x2d.dtype
     dims = (x2d.shape[0], x2d.shape[1], weight.shape[0])
     if not fp8_gemm_fits(*dims):
@@ -346,8 +365,30 @@ def fp8_linear_forward(
         wt = _tiles(weight, recipe.fwd_dtype, recipe, 1, True, w_group, "the weight")
         return tiled_gemm(xt, wt.t(), out_dtype, recipe, forward=True)
     xq = _quantize(x2d, recipe.fwd_dtype, recipe, x_group, x_amax)
-    wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))
-    return scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), out_dtype, recipe, forward=True)
+    if weight_q is None:
+        weight_q = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))
+    w_t = Fp8Tensor(weight_q.data.t(), weight_q.inv_scale)
+    return scaled_gemm(xq, w_t, out_dtype, recipe, forward=True)
+
+
+def check_weight_q(
+    owner: str, weight_q: Fp8Tensor | None, weight: Tensor, recipe: Fp8Recipe
+) -> None:
+    """A given quantised weight is ``weight``'s, tensor-wise, in the recipe's format."""
+    if weight_q is None:
+        return
+    if recipe.scaling != "tensor":
+        raise ValueError(
+            f"{owner} got a quantised weight, which is tensor-wise, but the recipe scales "
+            f"{recipe.scaling}-wise; pass weight_q=None (each GEMM tiles the weight itself)"
+        )
+    data = weight_q.data
+    if tuple(data.shape) != tuple(weight.shape) or data.dtype != recipe.fwd_dtype:
+        raise ValueError(
+            f"{owner} got a quantised weight of shape {tuple(data.shape)} and dtype "
+            f"{data.dtype} for a weight of shape {tuple(weight.shape)} and a recipe in "
+            f"{recipe.fwd_dtype}; pass the layer's own weight quantised in fwd_dtype"
+        )
 
 
 def _quantize(
@@ -512,6 +553,8 @@ class _Fp8Linear(Function):
         deferred: tuple[WeightGradStore, Tensor, Tensor | None] | None,
         amax: Tensor | None,
         probe: Tensor | None,
+        w_data: Tensor | None,
+        w_inv: Tensor | None,
     ) -> Tensor:
         ctx.recipe, ctx.x_dtype, ctx.groups = recipe, x.dtype, groups
         ctx.delayed = probe is not None  # delayed scaling: |dy|'s max is the probe's gradient
@@ -530,7 +573,10 @@ class _Fp8Linear(Function):
             out = fp8_linear_forward(x, weight, recipe, x_group=x_group, w_group=w_group)
             return out if bias is None else out + bias
         xq = _quantize(x, recipe.fwd_dtype, recipe, x_group, x_amax)  # [tokens, in]
-        wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))  # [out, in]
+        if w_data is not None and w_inv is not None:  # from the layer's weight cache
+            wq = Fp8Tensor(w_data, w_inv)
+        else:
+            wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))  # [out, in]
         ctx.save_for_backward(xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight, g_amax)
         out = scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), x.dtype, recipe, forward=True)
         return out if bias is None else out + bias
@@ -585,8 +631,8 @@ class _Fp8Linear(Function):
         if ctx.deferred is not None:
             store, w_param, b_param = ctx.deferred
             store.defer(wgrad, (w_param, b_param))
-            return grad_x, None, None, None, None, None, None, probe_grad
-        return grad_x, *wgrad(), None, None, None, None, probe_grad
+            return grad_x, None, None, None, None, None, None, probe_grad, None, None
+        return grad_x, *wgrad(), None, None, None, None, probe_grad, None, None
 
 
 def fp8_linear(
@@ -600,6 +646,7 @@ def fp8_linear(
     g_group: Shard = None,
     store: WeightGradStore | None = None,
     delayed: Fp8Delayed | None = None,
+    weight_q: Fp8Tensor | None = None,
 ) -> Tensor:
     """``F.linear(x, weight, bias)`` with its forward, dgrad and wgrad GEMMs in fp8.
 
@@ -610,6 +657,8 @@ def fp8_linear(
     row/block scaling needs them as :class:`Fp8Shard` (group, dim). With ``store`` (a
     :class:`~mega_tp_layers.WeightGradStore`) the weight and bias gradients are left to its
     W pass. ``delayed``: a delayed-scaling recipe's scales and probe (``fp8_delayed``).
+    ``weight_q``: ``weight`` quantised already, tensor-wise (a layer's
+    :class:`~mega_tp_layers.Fp8WeightCache`); the forward and the dgrad GEMM use it.
     """
     check_delayed("fp8_linear", recipe, delayed)
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -617,13 +666,15 @@ def fp8_linear(
             f"fp8_linear needs x [..., in] and weight [out, in] with matching in, got shapes "
             f"{tuple(x.shape)} and {tuple(weight.shape)}; pass a weight of in_features columns"
         )
+    check_weight_q("fp8_linear", weight_q, weight, recipe)
     x2d = x.reshape(-1, x.shape[-1])  # [..., in] -> [tokens, in]
     groups = (x_group, w_group, g_group)
     amax, probe = (None, None) if delayed is None else delayed
+    w8 = (None, None) if weight_q is None else (weight_q.data, weight_q.inv_scale)
     if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
         deferred = (store, weight, bias)
         w, b = weight.detach(), None if bias is None else bias.detach()
-        out: Tensor = _Fp8Linear.apply(x2d, w, b, recipe, groups, deferred, amax, probe)
+        out: Tensor = _Fp8Linear.apply(x2d, w, b, recipe, groups, deferred, amax, probe, *w8)
     else:
-        out = _Fp8Linear.apply(x2d, weight, bias, recipe, groups, None, amax, probe)
+        out = _Fp8Linear.apply(x2d, weight, bias, recipe, groups, None, amax, probe, *w8)
     return out.view(*x.shape[:-1], weight.shape[0])  # a view outside the Function

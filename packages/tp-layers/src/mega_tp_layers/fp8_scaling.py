@@ -299,12 +299,18 @@ def check_fp8_layout(
     tp_comm_overlap: bool,
 ) -> None:
     """A row/block recipe fits the layer: no overlap rings, block shards multiples of 128;
-    delayed scaling (``amax_history``) without the overlap rings too."""
+    delayed scaling (``amax_history``) and ``cache_weights`` without the overlap rings too."""
     if recipe is not None and recipe.amax_history and tp_comm_overlap:
         raise ValueError(
             f"{owner} tp_comm_overlap=True scales by the current amax only, not "
             f"Fp8Recipe(amax_history={recipe.amax_history}); turn the overlap off or use "
             "amax_history=0"
+        )
+    if recipe is not None and recipe.cache_weights and tp_comm_overlap:
+        raise ValueError(
+            f"{owner} tp_comm_overlap=True quantises the weight in its rings, not from "
+            "Fp8Recipe(cache_weights=True)'s cache; turn the overlap off or use "
+            "cache_weights=False"
         )
     if recipe is None or recipe.scaling == "tensor":
         return

@@ -50,10 +50,12 @@ from mega_tp_layers.fp8 import (
     Fp8Shard,
     Fp8Tensor,
     check_delayed,
+    check_weight_q,
     fp8_linear,
     fp8_linear_dgrad,
     fp8_linear_forward,
     fp8_linear_wgrad,
+    fp8_quantize,
     shared_grad,
 )
 from mega_tp_layers.fp8_delayed import (
@@ -63,6 +65,7 @@ from mega_tp_layers.fp8_delayed import (
     recorded_amax,
 )
 from mega_tp_layers.fp8_scaling import check_fp8_layout
+from mega_tp_layers.fp8_weight_cache import cached_fp8_weight, weight_cache_for
 from mega_tp_layers.init import InitMethod, Normal, PaddedRows, Zeros
 from mega_tp_layers.mappings import (
     gather_from_tp_region,
@@ -104,6 +107,8 @@ class _ColumnParallelMatmul(Function):
         deferred: tuple[WeightGradStore, Tensor, Tensor | None] | None,
         amax: Tensor | None,
         probe: Tensor | None,
+        w_data: Tensor | None,
+        w_inv: Tensor | None,
     ) -> Tensor:
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
@@ -111,24 +116,37 @@ class _ColumnParallelMatmul(Function):
         ctx.deferred = deferred  # (store, weight, bias): the W pass runs later from the store
         ctx.delayed = probe is not None  # delayed scaling: |dy|'s max is the probe's gradient
         x_amax, g_amax = (None, None) if amax is None else (amax[0], amax[1])
-        ctx.save_for_backward(x, weight, x_amax, g_amax)  # under SP only the local slice
+        if fp8 is not None and fp8.scaling == "tensor" and w_data is None:
+            # the weight shard scaled as the whole, once for the forward and the dgrad
+            w_data, w_inv = fp8_quantize(weight, fp8.fwd_dtype, fp8.eps, group)
+        # under SP only the local slice of x
+        ctx.save_for_backward(x, weight, x_amax, g_amax, w_data, w_inv)
         total = all_gather_dim0(x, group)[0] if sequence_parallel else x  # [s/tp,b,h] -> [s,b,h]
         if fp8 is None:
             return F.linear(total, weight, bias)  # [s, b, h] -> [s, b, out/tp]
-        # fp8 inputs are 2-D: [s*b, h] -> [s*b, out/tp]; the weight shard scaled as the whole
-        out = fp8_linear_forward(total, weight, fp8, w_group=Fp8Shard(group, 0), x_amax=x_amax)
+        # fp8 inputs are 2-D: [s*b, h] -> [s*b, out/tp]
+        out = fp8_linear_forward(
+            total, weight, fp8, w_group=Fp8Shard(group, 0), x_amax=x_amax,
+            weight_q=_fp8_weight(w_data, w_inv),
+        )  # fmt: skip
         return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, x_amax, g_amax = ctx.saved_tensors
+        x, weight, x_amax, g_amax, w_data, w_inv = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         group, sp, fp8 = ctx.group, ctx.sequence_parallel, ctx.fp8
         probe_grad = recorded_amax(grad) if ctx.delayed else None
+        wq = _fp8_weight(w_data, w_inv)  # tensor-wise: the forward's fp8 weight
         if ctx.deferred is not None:
-            return *_column_dgrad_deferring_wgrad(
-                ctx.deferred, x, weight, grad, group, sp, fp8, (x_amax, g_amax)
-            ), probe_grad
+            return (
+                *_column_dgrad_deferring_wgrad(
+                    ctx.deferred, x, (weight, wq), grad, group, sp, fp8, (x_amax, g_amax)
+                ),
+                probe_grad,
+                None,
+                None,
+            )
         total, gather = x, None
         if sp and need_w:  # rebuild the gathered input, overlapped with the dgrad GEMM
             total, gather = all_gather_dim0(x, group, async_op=True)
@@ -142,7 +160,7 @@ class _ColumnParallelMatmul(Function):
                 grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
             else:
                 grad_input = fp8_linear_dgrad(
-                    g8, weight, fp8, out_dtype=x.dtype,
+                    g8, weight, fp8, out_dtype=x.dtype, weight_q=wq,
                     g_group=Fp8Shard(group, 1), w_group=Fp8Shard(group, 0),
                 )  # fmt: skip
             if sp:
@@ -167,13 +185,20 @@ class _ColumnParallelMatmul(Function):
                 grad_bias = grad_2d.sum(dim=0)
         if pending is not None:
             pending.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, probe_grad
+        return (
+            grad_input, grad_weight, grad_bias, None, None, None, None, None, probe_grad,
+            None, None,
+        )  # fmt: skip
+
+
+def _fp8_weight(data: Tensor | None, inv_scale: Tensor | None) -> Fp8Tensor | None:
+    return None if data is None or inv_scale is None else Fp8Tensor(data, inv_scale)
 
 
 def _column_dgrad_deferring_wgrad(
     deferred: tuple[WeightGradStore, Tensor, Tensor | None],
     x: Tensor,
-    weight: Tensor,
+    weights: tuple[Tensor, Fp8Tensor | None],
     grad: Tensor,
     group: ProcessGroup,
     sp: bool,
@@ -186,9 +211,11 @@ def _column_dgrad_deferring_wgrad(
     the fused backward gathers it again too (the same traffic, moved from B to W), and
     keeping it would hold tp times the input per linear for every micro-batch whose W
     is pending. With ``fp8`` both GEMMs use one quantised gradient, as the fused ones do;
-    ``amaxes``: delayed scaling's (input, gradient) amaxes, or None each.
+    ``amaxes``: delayed scaling's (input, gradient) amaxes, or None each; ``weights``: the
+    weight and, tensor-wise, the forward's fp8 copy of it.
     """
     store, w_param, b_param = deferred
+    weight, wq = weights
     x_amax, g_amax = amaxes
     g8: Tensor | Fp8Tensor = grad
     if fp8 is not None:  # [s*b, out/tp], a shard of the gradient, quantised once
@@ -206,7 +233,7 @@ def _column_dgrad_deferring_wgrad(
         grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
     else:
         grad_input = fp8_linear_dgrad(
-            g8, weight, fp8, out_dtype=x.dtype,
+            g8, weight, fp8, out_dtype=x.dtype, weight_q=wq,
             g_group=Fp8Shard(group, 1), w_group=Fp8Shard(group, 0),
         )  # fmt: skip
     if sp:
@@ -227,6 +254,7 @@ def column_parallel_linear(
     fp8: Fp8Recipe | None = None,
     tp_comm_overlap: bool = False,
     fp8_delayed: Fp8Delayed | None = None,
+    fp8_weight: Fp8Tensor | None = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` with ``weight`` split by output rows over ``tp_group``.
 
@@ -236,9 +264,11 @@ def column_parallel_linear(
     ``[s, b, out]`` with ``gather_output``. With ``fp8`` its three GEMMs run in FP8. With
     ``tp_comm_overlap`` (needs ``sequence_parallel`` and tp > 1) the all-gather overlaps
     the GEMM chunk by chunk, and the input gradient's reduce-scatter its GEMM.
-    ``fp8_delayed``: a delayed-scaling recipe's scales and probe (``fp8_delayed``).
+    ``fp8_delayed``: a delayed-scaling recipe's scales and probe (``fp8_delayed``);
+    ``fp8_weight``: ``weight`` quantised already, tensor-wise (a layer's weight cache).
     """
     check_delayed("column_parallel_linear", fp8, fp8_delayed)
+    _check_fp8_weight("column_parallel_linear", fp8, fp8_weight, weight)
     tp = group_size(tp_group)
     overlap = check_tp_comm_overlap(
         "column_parallel_linear", tp_comm_overlap, sequence_parallel, tp
@@ -250,7 +280,10 @@ def column_parallel_linear(
     store = current_weight_grad_store()
     if tp == 1:
         if fp8 is not None:
-            return fp8_linear(x, weight, bias, recipe=fp8, store=store, delayed=fp8_delayed)
+            return fp8_linear(
+                x, weight, bias, recipe=fp8, store=store, delayed=fp8_delayed,
+                weight_q=fp8_weight,
+            )  # fmt: skip
         return F.linear(x, weight, bias) if store is None else split_linear(x, weight, bias, store)
     deferred = None
     if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
@@ -258,19 +291,31 @@ def column_parallel_linear(
         weight, bias = weight.detach(), None if bias is None else bias.detach()
     if fp8 is None:
         out = _ColumnParallelMatmul.apply(
-            x, weight, bias, tp_group, sequence_parallel, None, deferred, None, None
+            x, weight, bias, tp_group, sequence_parallel, None, deferred, None, None, None, None
         )
     else:  # the Function runs on [tokens, h]; gathering dim 0 keeps the sequence-major order
         lead = (x.shape[0] * (group_size(tp_group) if sequence_parallel else 1), *x.shape[1:-1])
         flat = x.reshape(-1, x.shape[-1])  # [s(/tp), b, h] -> [s(/tp)*b, h]
         amax, probe = (None, None) if fp8_delayed is None else fp8_delayed
+        w8 = (None, None) if fp8_weight is None else (fp8_weight.data, fp8_weight.inv_scale)
         out = _ColumnParallelMatmul.apply(
-            flat, weight, bias, tp_group, sequence_parallel, fp8, deferred, amax, probe
+            flat, weight, bias, tp_group, sequence_parallel, fp8, deferred, amax, probe, *w8
         )
         out = out.view(*lead, weight.shape[0])  # [s*b, out/tp] -> [s, b, out/tp]
     if gather_output:
         out = gather_from_tp_region(out, tp_group)  # [s, b, out/tp] -> [s, b, out]
     return out
+
+
+def _check_fp8_weight(
+    owner: str, fp8: Fp8Recipe | None, fp8_weight: Fp8Tensor | None, weight: Tensor
+) -> None:
+    if fp8_weight is not None and fp8 is None:
+        raise ValueError(
+            f"{owner} got an fp8_weight but no fp8 recipe; pass fp8=Fp8Recipe() or drop fp8_weight"
+        )
+    if fp8 is not None:
+        check_weight_q(owner, fp8_weight, weight, fp8)
 
 
 def _check_features(owner: str, in_features: int, out_features: int) -> None:
@@ -395,6 +440,9 @@ class ColumnParallelLinear(ShardedModule):
         shard = ("out_features/tp", self.out_features_per_rank)
         check_fp8_layout(owner, self.fp8, tp, shard, self.tp_comm_overlap)
         self.fp8_amax = amax_history_for(self.fp8, device)
+        self.fp8_weight = weight_cache_for(
+            self.fp8, (self.out_features_per_rank, in_features), device
+        )
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
         if full_out != out_features:
@@ -435,6 +483,7 @@ class ColumnParallelLinear(ShardedModule):
             x, self.weight, bias, tp_group=self.tp_group,
             sequence_parallel=sp, gather_output=self.gather_output, fp8=self.fp8,
             tp_comm_overlap=self.tp_comm_overlap, fp8_delayed=delayed_for(self.fp8_amax, x),
+            fp8_weight=cached_fp8_weight(self.fp8_weight, self.weight, self.fp8, self.tp_group),
         )  # fmt: skip
         if self.gather_output and out.shape[-1] != self.out_features:
             out = out[..., : self.out_features]  # padded rows' outputs are not the layer's
@@ -519,6 +568,9 @@ class RowParallelLinear(ShardedModule):
         shard = ("in_features/tp", self.in_features_per_rank)
         check_fp8_layout(owner, self.fp8, tp, shard, self.tp_comm_overlap)
         self.fp8_amax = amax_history_for(self.fp8, device)
+        self.fp8_weight = weight_cache_for(
+            self.fp8, (out_features, self.in_features_per_rank), device
+        )
         self.skip_bias_add = skip_bias_add
         w_init: InitMethod = init_method if init_method is not None else Normal(0.02)
         w_spec = ShardSpec(1, tp, rank, group_name, (out_features, in_features), False)
@@ -563,9 +615,12 @@ class RowParallelLinear(ShardedModule):
         fp8 = self.fp8
         store = current_weight_grad_store()
         delayed = delayed_for(self.fp8_amax, x)
+        w8 = cached_fp8_weight(self.fp8_weight, self.weight, fp8, group)  # a weight cache's
         if tp == 1:
             if fp8 is not None:
-                return fp8_linear(x, self.weight, bias, recipe=fp8, store=store, delayed=delayed)
+                return fp8_linear(
+                    x, self.weight, bias, recipe=fp8, store=store, delayed=delayed, weight_q=w8
+                )
             if store is not None:
                 return split_linear(x, self.weight, bias, store)
             return F.linear(x, self.weight, bias)
@@ -583,7 +638,7 @@ class RowParallelLinear(ShardedModule):
             shard = Fp8Shard(group, 1)
             partial = fp8_linear(
                 x, self.weight, recipe=fp8, x_group=shard, w_group=shard, store=store,
-                delayed=delayed,
+                delayed=delayed, weight_q=w8,
             )  # fmt: skip
         if sp:
             out = reduce_scatter_to_sequence_region(partial, group)  # -> [s/tp, b, out]
