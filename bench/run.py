@@ -556,7 +556,8 @@ SUITES["owed11"] = [
 ]  # fmt: skip
 # fp8 weights cached across micro-batches (train.fp8_weight_cache): 1b-bench at mb 1 x 8
 # micro-batches a step, bf16 / fp8 / fp8 cached, and mb 8 x 1 cached (nothing to reuse: the
-# cost of the cache's write) (~300 s)
+# cost of the cache's write) (~300 s); then the expert GEMMs in fp8 (torch._scaled_grouped_mm)
+# against bf16 at the MoE sizes' shapes, before an fp8 expert FFN is built (~60 s)
 _ACC = "--size 1b-bench --mb 1 --accum 8 --compile --steps 5 --warmup 3"
 SUITES["s12"] = [
     ("bf16 mb1 x8", 70, f"{_STEP} {_ACC}"),
@@ -564,6 +565,7 @@ SUITES["s12"] = [
     ("fp8 cached mb1 x8", 70, f"{_STEP} {_ACC} --fp8 --set train.fp8_weight_cache=true"),
     ("fp8 cached mb8", 70, f"{_STEP} {_FP8} --steps 6 --warmup 3 "
                            "--set train.fp8_weight_cache=true"),
+    ("fp8 grouped probe", 90, "python3 bench/fp8_grouped_probe.py"),
 ]  # fmt: skip
 
 # the 1-step history's loss beside bf16 at 1b-bench (~260 s; the 16-step one is s11a's)
