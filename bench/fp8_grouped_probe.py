@@ -33,6 +33,12 @@ from torch import Tensor
 E4M3 = torch.float8_e4m3fn
 FMAX = torch.finfo(E4M3).max
 
+#: torch._scaled_grouped_mm's groups must be multiples of 16 bytes along the grouped dim
+#: (an H100 with torch 2.11, 2026-12-06: a device-side assert "expected input tensor dynamic
+#: dimension byte size to be non-negative multiple of 16" for router-given row counts, which
+#: leaves the CUDA context unusable; so the probe does not call it for those)
+FP8_GROUP_ALIGN = 16
+
 # (name, hidden, expert ffn, experts, top-k): the registry's MoE sizes (SwiGLU: fc1 is 2 x ffn)
 SIZES = [("moe-2b", 2048, 1408, 16, 2), ("deepseek-3b", 2048, 704, 64, 6)]
 
@@ -158,12 +164,11 @@ def _probe(
         if not gpu:  # the layouts and scales right: fp8's error against bf16 is a few %
             row[f"{name}_emulated_vs_bf16"] = _rel(want, bf16().float())
             continue
-        try:
-            got = fp8()
-        except RuntimeError as error:  # e.g. groups the kernel does not take
-            row[f"{name}_fp8_error"] = str(error).splitlines()[0][:160]
+        if any(c % FP8_GROUP_ALIGN for c in m_rows):  # a device-side assert: no calling it
+            row[f"{name}_fp8_error"] = f"rows per group not multiples of {FP8_GROUP_ALIGN}"
             row[f"{name}_bf16_ms"] = _time(bf16, reps)
             continue
+        got = fp8()
         row[f"{name}_rel_err"] = _rel(got, want)
         row[f"{name}_bf16_vs_fp8_rel"] = _rel(got, bf16())
         b_ms, f_ms, q_ms = _time(bf16, reps), _time(fp8, reps), _time(quantise[name], reps)
