@@ -36,7 +36,9 @@ FMAX = torch.finfo(E4M3).max
 #: torch._scaled_grouped_mm's groups must be multiples of 16 bytes along the grouped dim
 #: (an H100 with torch 2.11, 2026-12-06: a device-side assert "expected input tensor dynamic
 #: dimension byte size to be non-negative multiple of 16" for router-given row counts, which
-#: leaves the CUDA context unusable; so the probe does not call it for those)
+#: leaves the CUDA context unusable; so the probe does not call it for those). bf16's
+#: ``_grouped_mm`` asserts the same for a row-major ``[n, tokens]`` wgrad operand (2 bytes a
+#: row); mega_moe passes ``dy.t()``, whose tokens are the outer stride, and so does the probe.
 FP8_GROUP_ALIGN = 16
 
 # (name, hidden, expert ffn, experts, top-k): the registry's MoE sizes (SwiGLU: fc1 is 2 x ffn)
@@ -144,7 +146,7 @@ def _probe(
             lambda: _emulated_2d3d(dyq, sdy, wtq.transpose(1, 2), swt, m_rows),
         ),
         "wgrad": (
-            lambda: torch._grouped_mm(dyt, x, offs=offs),
+            lambda: torch._grouped_mm(dy.t(), x, offs=offs),  # as mega_moe runs it
             lambda: torch._scaled_grouped_mm(
                 dytq, xtq.t(), sdyt, sxt, offs=offs, out_dtype=torch.bfloat16,
             ),
