@@ -107,8 +107,9 @@ def _rel(got: Tensor, want: Tensor) -> float:
 
 
 def _probe(
-    m_rows: list[int], k: int, n: int, device: torch.device, reps: int, gpu: bool
-) -> dict[str, object]:
+    m_rows: list[int], k: int, n: int, device: torch.device, reps: int, gpu: bool,
+    fast_backward: bool = False,
+) -> dict[str, object]:  # fmt: skip
     """The three GEMMs of one expert linear (``[E, n, k]`` weight) over row counts ``m_rows``."""
     experts, total = len(m_rows), sum(m_rows)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -142,6 +143,7 @@ def _probe(
             lambda: torch._grouped_mm(dy, w, offs=offs),
             lambda: torch._scaled_grouped_mm(
                 dyq, wtq.transpose(1, 2), sdy, swt, offs=offs, out_dtype=torch.bfloat16,
+                use_fast_accum=fast_backward,
             ),
             lambda: _emulated_2d3d(dyq, sdy, wtq.transpose(1, 2), swt, m_rows),
         ),
@@ -149,6 +151,7 @@ def _probe(
             lambda: torch._grouped_mm(dy.t(), x, offs=offs),  # as mega_moe runs it
             lambda: torch._scaled_grouped_mm(
                 dytq, xtq.t(), sdyt, sxt, offs=offs, out_dtype=torch.bfloat16,
+                use_fast_accum=fast_backward,
             ),
             lambda: _emulated_2d2d(dytq, sdyt, xtq.t(), sxt, m_rows),
         ),
@@ -205,6 +208,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="CPU: the emulation at a tiny shape")
+    ap.add_argument(
+        "--fast-backward", action="store_true",
+        help="dgrad and wgrad accumulate in the fast mode too (default: forward only, as mega's "
+        "dense fp8 GEMMs do)",
+    )  # fmt: skip
+    ap.add_argument("--aligned-only", action="store_true", help="skip router-given row counts")
     args = ap.parse_args()
     gpu = torch.cuda.is_available() and not args.smoke
     if not gpu and not args.smoke:
@@ -216,10 +225,10 @@ def main() -> None:
     tokens = args.mb * args.seq if gpu else 64
     results = []
     for name, hidden, ffn, experts, topk in sizes:
-        for align in (1, 16):
+        for align in (16,) if args.aligned_only else (1, 16):
             counts = _counts(tokens * topk, experts, align, torch.Generator().manual_seed(1))
             for linear, k, n in (("fc1", hidden, 2 * ffn), ("fc2", ffn, hidden)):
-                row = _probe(counts, k, n, device, args.reps, gpu)
+                row = _probe(counts, k, n, device, args.reps, gpu, args.fast_backward)
                 row.update({"size": name, "linear": linear, "align": align})
                 results.append(row)
                 print(json.dumps(row), flush=True)
