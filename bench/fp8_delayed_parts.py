@@ -9,13 +9,17 @@ no-probe``: the backward records no ``|dy|`` max either (no probe). The
 losses stay meaningful for a few steps only; the step time says what the recording costs
 against the fixed-scale bound (``bench/fp8_fixed_scale.py``). Other arguments go to
 ``bench/mega_step.py``; the result is tagged with the part. ``--part rows-amax``: current
-scaling (no history) with its amaxes reduced over rows first, as delayed scaling records
-them (``recorded_amax``); ``fp8_quantize`` keeps the whole-tensor max until this is measured.
+scaling (no history) with its amaxes reduced over rows first (``fused_amax``; measured
+slower than the whole-tensor max, 2026-12-06). ``--part opaque-amax``: current scaling with
+its amaxes taken by the opaque reduction delayed scaling records with (``recorded_amax``).
+``--part fused-record``: delayed scaling recording in fusable ops (``fused_amax``), as it did
+before the opaque operator.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +29,7 @@ from torch.distributed import ProcessGroup
 
 import mega_tp_layers.fp8 as fp8
 import mega_tp_layers.fp8_delayed as delayed
+import mega_tp_layers.linear as linear
 
 
 def _no_record(self: delayed.Fp8AmaxHistory, x: Tensor) -> delayed.Fp8Delayed:
@@ -43,15 +48,19 @@ def _no_probe(self: delayed.Fp8AmaxHistory, x: Tensor) -> delayed.Fp8Delayed:
 _record = delayed.Fp8AmaxHistory.for_forward
 
 
-def _rows_amax(
-    x: Tensor, dtype: torch.dtype, eps: float = 1e-12, group: ProcessGroup | None = None
-) -> fp8.Fp8Tensor:
-    """Current scaling with the amax reduced over rows first (``recorded_amax``), so that the
-    reduction has the producing kernel's shape."""
-    amax = delayed.recorded_amax(x)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)
-    return fp8.fp8_quantize_by_amax(x.detach().float(), amax, dtype, eps)
+def _quantize_by(amax_of: Callable[[Tensor], Tensor]) -> Callable[..., fp8.Fp8Tensor]:
+    """Current scaling with the amax taken by ``amax_of`` (``fused_amax``: rows first, in ops
+    the compiler fuses into the producer; ``recorded_amax``: an opaque reduction kernel)."""
+
+    def quantize(
+        x: Tensor, dtype: torch.dtype, eps: float = 1e-12, group: ProcessGroup | None = None
+    ) -> fp8.Fp8Tensor:
+        amax = amax_of(x)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)
+        return fp8.fp8_quantize_by_amax(x.detach().float(), amax, dtype, eps)
+
+    return quantize
 
 
 if __name__ == "__main__":
@@ -59,10 +68,16 @@ if __name__ == "__main__":
     rest = [
         a for i, a in enumerate(sys.argv[1:], 1) if a != "--part" and sys.argv[i - 1] != "--part"
     ]
-    if part not in ("no-record", "no-probe", "rows-amax"):
-        raise SystemExit(f"--part {part!r}: use no-record, no-probe or rows-amax")
+    parts = ("no-record", "no-probe", "rows-amax", "opaque-amax", "fused-record")
+    if part not in parts:
+        raise SystemExit(f"--part {part!r}: use one of {', '.join(parts)}")
     if part == "rows-amax":  # looked up at call time, as bench/fp8_fixed_scale.py does
-        fp8.fp8_quantize = _rows_amax
+        fp8.fp8_quantize = _quantize_by(delayed.fused_amax)
+    elif part == "opaque-amax":
+        fp8.fp8_quantize = _quantize_by(delayed.recorded_amax)
+    elif part == "fused-record":  # delayed scaling recording as it did until 2026-12-06
+        for module in (fp8, linear, delayed):
+            module.recorded_amax = delayed.fused_amax  # type: ignore[attr-defined]
     else:
         patch = _no_record if part == "no-record" else _no_probe
         delayed.Fp8AmaxHistory.for_forward = patch  # type: ignore[method-assign]

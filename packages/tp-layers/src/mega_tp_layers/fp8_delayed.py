@@ -66,11 +66,31 @@ __all__ = [
 INPUT, GRAD = 0, 1
 
 
+@torch.library.custom_op("mega_tp_layers::abs_max", mutates_args=())
+def _abs_max(t: Tensor) -> Tensor:
+    # one reduction kernel, no |t| temporary; a max of bf16 values is exact in bf16
+    return torch.linalg.vector_norm(t, float("inf")).float()
+
+
+@_abs_max.register_fake
+def _(t: Tensor) -> Tensor:
+    return t.new_empty((), dtype=torch.float32)
+
+
 def recorded_amax(t: Tensor) -> Tensor:
-    """``|t|``'s max as a 0-d fp32 tensor, reduced over the last dim first: a per-row
-    reduction that ``torch.compile`` can fuse into the kernel producing ``t`` (a norm's rows,
-    an elementwise op's), where a whole-tensor max becomes a pass of its own over ``t``.
-    Exact either way: a max rounds nothing."""
+    """``|t|``'s max as a 0-d fp32 tensor (exact: a max rounds nothing), computed by an
+    operator ``torch.compile`` cannot see into: one read of ``t`` by its own reduction
+    kernel. Inductor would otherwise fuse the reduction into the kernel producing ``t`` (a
+    norm's, SwiGLU's backward), and on an H100 such fused kernels ran delayed scaling ~23 ms
+    a step above the fixed-scale bound at ``1b-bench`` (``bench/RESULTS.md``, 2026-12-06);
+    kept apart, the producer fuses the delayed cast as the bound does and the reduction is a
+    bandwidth-bound read. :func:`fused_amax` is the fusable form, for the A/B."""
+    return _abs_max(t.detach())
+
+
+def fused_amax(t: Tensor) -> Tensor:
+    """``|t|``'s max reduced over the last dim first, in ops ``torch.compile`` fuses into
+    the producing kernel (the form delayed scaling recorded with until 2026-12-06)."""
     rows = t.detach().abs().amax(dim=-1) if t.dim() > 0 else t.detach().abs()
     return rows.amax().float()
 
