@@ -69,7 +69,8 @@ INPUT, GRAD = 0, 1
 @torch.library.custom_op("mega_tp_layers::abs_max", mutates_args=())
 def _abs_max(t: Tensor) -> Tensor:
     # one reduction kernel, no |t| temporary; a max of bf16 values is exact in bf16
-    return torch.linalg.vector_norm(t, float("inf")).float()
+    amax: Tensor = torch.linalg.vector_norm(t, float("inf")).float()
+    return amax
 
 
 @_abs_max.register_fake
@@ -85,7 +86,8 @@ def recorded_amax(t: Tensor) -> Tensor:
     a step above the fixed-scale bound at ``1b-bench`` (``bench/RESULTS.md``, 2026-12-06);
     kept apart, the producer fuses the delayed cast as the bound does and the reduction is a
     bandwidth-bound read. :func:`fused_amax` is the fusable form, for the A/B."""
-    return _abs_max(t.detach())
+    amax: Tensor = _abs_max(t.detach())
+    return amax
 
 
 def fused_amax(t: Tensor) -> Tensor:
