@@ -249,6 +249,25 @@ def test_resume_continues_the_histories_exactly(dist_pool: DistPool, tmp_path: P
         assert torch.equal(value[1:3], saved[name][:2]), name  # the saved rows, pushed on
 
 
+def _overshoots(run_dir: Path) -> list[tuple[float, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    return [(r["fp8_overshoot_input"], r["fp8_overshoot_grad"]) for r in records]
+
+
+def test_the_log_carries_each_step_overshoot(dist_pool: DistPool, tmp_path: Path) -> None:
+    """With a log line every step: 0 on the cold first step (its scales were the current
+    amaxes), then each step's largest amax over the one its scales used, positive and finite;
+    with a margin the trainer runs and logs the same keys."""
+    out = str(tmp_path)
+    dist_pool.run(_train, 1, args=(out, "plain", []))
+    dist_pool.run(_train, 1, args=(out, "margin", [("train.fp8_amax_margin", "1")]))
+    for name in ("plain", "margin"):
+        values = _overshoots(tmp_path / name)
+        assert len(values) == STEPS and values[0] == (0.0, 0.0), (name, values)
+        assert all(0 < v < 100 for step in values[1:] for v in step), (name, values)
+
+
 # 4. configuration errors ----------------------------------------------------------------------
 
 FP8 = [("train.fp8", "true"), ("train.precision", "bf16")]
@@ -280,8 +299,19 @@ FP8 = [("train.fp8", "true"), ("train.precision", "bf16")]
             r"true \(its rings scale by the current amax\); turn the overlap off or set "
             r"train.fp8_amax_history 0$",
         ),
+        (
+            [*FP8, ("train.fp8_amax_history", "4"), ("train.fp8_amax_margin", "9")],
+            r"^train.fp8_amax_margin \(9\) must be an integer from 0 to 8: the delayed scales "
+            r"leave 2\^margin of headroom above the history's amax$",
+        ),
+        (
+            [*FP8, ("train.fp8_amax_margin", "1")],
+            r"^train.fp8_amax_margin \(1\) gives delayed scaling headroom, but "
+            r"train.fp8_amax_history is 0 \(current scaling never saturates\); set",
+        ),
     ],
-    ids=["negative", "without-fp8", "row-recipe", "tp-comm-overlap"],
+    ids=["negative", "without-fp8", "row-recipe", "tp-comm-overlap", "margin-range",
+         "margin-without-history"],
 )  # fmt: skip
 def test_amax_history_config_errors(overrides: list[tuple[str, str]], pattern: str) -> None:
     config = load_config(None, overrides)

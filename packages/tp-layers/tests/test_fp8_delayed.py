@@ -144,6 +144,49 @@ def test_warm_step_scales_by_the_history_max_exactly() -> None:
     assert torch.equal(history.current, want)  # this step's own maxes, for the next one
 
 
+def test_margin_scales_by_a_larger_amax_exactly() -> None:
+    """amax_margin m: the history's amax times 2^m (exact), so a value up to 2^m x beyond the
+    history's max is represented instead of saturating."""
+    recipe = Fp8Recipe(emulate=True, amax_history=2, amax_margin=2)
+    w = _randn(FFN, H, seed=26)
+    layer = _Linear(recipe, w)
+    assert layer.fp8_amax is not None and layer.fp8_amax.margin == 2
+    _push(layer.fp8_amax, torch.tensor([2.5, 3e-3]))
+    x = _randn(16, H, seed=27)
+    x[0, 0] = 9.0  # beyond 2.5, within 2.5 x 4: not saturated
+    dy = _randn(16, FFN, seed=28, scale=1e-3)
+    xp = x.clone().requires_grad_()
+    y = layer(xp)
+    y.backward(dy)
+    ax, ag = torch.tensor(2.5 * 4), torch.tensor(3e-3) * 4  # the history's amaxes x 2^2
+    (qx, ix), (qg, ig) = _hand_q(x, ax, E4M3), _hand_q(dy, ag, E5M2)
+    qw, iw = _hand_q(w, w.abs().amax(), E4M3)
+    assert float(qx[0, 0]) == 416.0  # 9 x 448 / 10 = 403.2 rounds to 416, below e4m3's 448
+    assert torch.equal(y, (qx @ qw.t()) * (ix * iw))
+    assert xp.grad is not None and torch.equal(xp.grad, (qg @ qw) * (ig * iw))
+
+
+def test_overshoot_is_the_largest_growth_over_the_used_amax() -> None:
+    """The step's amax over the amax its scales used (history max x 2^margin), the largest
+    over warm layers, maxed into the caller's tensor across steps; a cold layer counts 0."""
+    a, b, cold = Fp8AmaxHistory(2), Fp8AmaxHistory(3, margin=1), Fp8AmaxHistory(2)
+    for history, first in ((a, [2.0, 1e-2]), (b, [1.0, 4e-3])):
+        _push(history, torch.tensor(first))
+    a.current.copy_(torch.tensor([3.0, 5e-3]))  # input 1.5x its history, gradient 0.5x
+    b.current.copy_(torch.tensor([1.0, 1.2e-2]))  # input 0.5x of 2x1.0, gradient 1.5x of 2x4e-3
+    cold.current.copy_(torch.tensor([100.0, 1.0]))
+    overshoot = torch.zeros(2)
+    update_fp8_amax_histories([a, b, cold], None, overshoot=overshoot)
+    torch.testing.assert_close(overshoot, torch.tensor([1.5, 1.5]), rtol=2**-20, atol=0)
+    a.current.copy_(torch.tensor([1.0, 1e-2]))  # 1.0 / max(3, 2) and 1e-2 / max(5e-3, 1e-2)
+    update_fp8_amax_histories([a], None, overshoot=overshoot)
+    torch.testing.assert_close(overshoot, torch.tensor([1.5, 1.5]), rtol=2**-20, atol=0)
+    fresh = torch.zeros(2)
+    b.current.copy_(torch.tensor([8.0, 0.0]))  # 8 / (2 x max(1, 1)): 4x
+    update_fp8_amax_histories([b], None, overshoot=fresh)
+    torch.testing.assert_close(fresh, torch.tensor([4.0, 0.0]), rtol=2**-20, atol=0)
+
+
 def test_history_keeps_the_last_n_steps() -> None:
     history = Fp8AmaxHistory(2)
     _push(history, torch.tensor([4.0, 1.0]))
@@ -389,6 +432,15 @@ def test_layouts_record_the_one_process_history(
         (lambda: Fp8Recipe(scaling="row", amax_history=4), r"tensor-wise only, not scaling='row'"),
         (lambda: Fp8AmaxHistory(0), r"Fp8AmaxHistory length \(0\) must be a positive integer"),
         (
+            lambda: Fp8Recipe(amax_history=2, amax_margin=-1),
+            r"^Fp8Recipe.amax_margin \(-1\) must be an integer from 0 to 8",
+        ),
+        (
+            lambda: Fp8Recipe(amax_margin=1),
+            r"^Fp8Recipe\(amax_margin=1\) gives delayed scaling headroom, but amax_history is 0",
+        ),
+        (lambda: Fp8AmaxHistory(2, margin=9), r"^Fp8AmaxHistory margin \(9\) must be an integer"),
+        (
             lambda: set_fp8_grad_unit([Fp8AmaxHistory(2)], 0),
             r"set_fp8_grad_unit: unit \(0\) must be a positive number",
         ),
@@ -416,6 +468,9 @@ def test_layouts_record_the_one_process_history(
         "bool",
         "row",
         "zero-length",
+        "margin-negative",
+        "margin-without-history",
+        "margin-too-large",
         "grad-unit",
         "no-history",
         "history-without-recipe",

@@ -130,7 +130,7 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
             model, groups, stage, cp_method=p.cp_method,
             fp8=Fp8Recipe(
                 scaling=t.fp8_recipe, amax_history=t.fp8_amax_history,
-                cache_weights=t.fp8_weight_cache,
+                amax_margin=t.fp8_amax_margin, cache_weights=t.fp8_weight_cache,
             )
             if t.fp8
             else False,

@@ -212,6 +212,12 @@ class TrainConfig:
     above bf16's over 200 steps (bench/RESULTS.md): an option to study, not a speed-up. A long
     history keeps a loss spike's amaxes for n steps; 1 (Megatron's default length) follows
     the tensors one step late."""
+    fp8_amax_margin: int = 0
+    """With ``train.fp8_amax_history`` n > 0: the delayed scales leave 2^margin of headroom
+    above the history's amax (Transformer Engine's ``margin``), so a tensor that grows up to
+    2^margin x from one step to the next does not saturate. The log's ``fp8_overshoot_input``
+    / ``fp8_overshoot_grad`` show the largest such growth of each interval (above 1: values
+    saturated)."""
     fp8_weight_cache: bool = False
     """With ``train.fp8`` and the tensor recipe: each layer quantises its weight once a step,
     at its first micro-batch, and the later micro-batches (and recomputed forwards) read that

@@ -91,6 +91,9 @@ class StepRunner:
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
         self.amax_histories = fp8_amax_histories(built.chunks)  # delayed fp8 scaling
         self.weight_caches = fp8_weight_caches(built.chunks)  # train.fp8_weight_cache
+        # delayed scaling: the largest step-to-step growth of an amax over the scale's, per
+        # log interval (fp8_log_values reads and resets it)
+        self.fp8_overshoot = torch.zeros(2, device=device) if self.amax_histories else None
         self.cp = groups.size("cp")
         self.last_losses: list[dict[str, Tensor]] = []
         self.packing = built.packing
@@ -214,12 +217,23 @@ class StepRunner:
             finalize_model_grads(self.built.chunks, self.groups)
             result = optimizer.step()
             if self.amax_histories and result.updated:  # this step's amaxes, as one process's
-                update_fp8_amax_histories(self.amax_histories, self.groups.tp_dp_cp)
+                update_fp8_amax_histories(
+                    self.amax_histories, self.groups.tp_dp_cp, overshoot=self.fp8_overshoot
+                )
             elif self.amax_histories:
                 discard_fp8_amaxes(self.amax_histories)
             if self.moe_layers:  # every tp x dp x cp replica of a router sees the same load
                 update_expert_biases(self.model, self.groups.tp_dp_cp)
         return loss, result
+
+    def fp8_log_values(self) -> dict[str, float]:
+        """Delayed fp8 scaling's largest amax overshoot since the last call (one host read),
+        for the inputs and the output gradients; {} without delayed scaling."""
+        if self.fp8_overshoot is None:
+            return {}
+        values = self.fp8_overshoot.tolist()
+        self.fp8_overshoot.zero_()
+        return {"fp8_overshoot_input": values[0], "fp8_overshoot_grad": values[1]}
 
     @torch.no_grad()
     def discard_step(self) -> None:

@@ -253,6 +253,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                     record["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 record.update(moe_log_values(built.chunks, groups))  # collective; {} when dense
                 record.update(mtp_log_values(runner.last_losses, groups))  # collective; {} no MTP
+                record.update(runner.fp8_log_values())  # {} without delayed fp8 scaling
                 metrics.log(step, record)
                 losses.append(value)
                 eta = (t.steps - step) * elapsed / window_steps

@@ -138,6 +138,18 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             f"and train.fp8_recipe tensor (got fp8={str(t.fp8).lower()}, recipe "
             f"{t.fp8_recipe}); set those or train.fp8_amax_history 0"
         )
+    margin = t.fp8_amax_margin
+    if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= 8:
+        raise ValueError(
+            f"train.fp8_amax_margin ({margin!r}) must be an integer from 0 to 8: the delayed "
+            "scales leave 2^margin of headroom above the history's amax"
+        )
+    if margin and not history:
+        raise ValueError(
+            f"train.fp8_amax_margin ({margin}) gives delayed scaling headroom, but "
+            "train.fp8_amax_history is 0 (current scaling never saturates); set "
+            "train.fp8_amax_history n or train.fp8_amax_margin 0"
+        )
     if history and p.tp_comm_overlap:
         raise ValueError(
             f"train.fp8_amax_history ({history}) is not supported with "

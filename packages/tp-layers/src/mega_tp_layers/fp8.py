@@ -120,6 +120,11 @@ class Fp8Recipe:
     steps (delayed scaling, ``mega_tp_layers.fp8_delayed``), so the casts need no reduction
     first and can fuse into the kernels producing those tensors; the first step scales by
     the current amax. Megatron's ``fp8_amax_history_len``."""
+    amax_margin: int = 0
+    """Delayed scaling only: the scales leave 2^margin of headroom above the history's amax
+    (Transformer Engine's ``margin``), so a tensor growing up to 2^margin x between steps
+    does not saturate; each margin step costs one bit of the format's resolution at the top.
+    ``update_fp8_amax_histories(..., overshoot=)`` measures how far a run's tensors grow."""
     cache_weights: bool = False
     """True (tensor-wise only): each layer keeps its fp8 weight from the first forward after
     :func:`~mega_tp_layers.invalidate_fp8_weight_caches` to the next, so the micro-batches of
@@ -163,6 +168,18 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe(amax_history={history}) is delayed scaling, which is tensor-wise "
                 f"only, not scaling={self.scaling!r}; use scaling='tensor' or amax_history=0"
+            )
+        margin = self.amax_margin
+        if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= 8:
+            raise ValueError(
+                f"Fp8Recipe.amax_margin ({margin!r}) must be an integer from 0 to 8: the "
+                "scales leave 2^margin of headroom above the history's amax"
+            )
+        if margin and not history:
+            raise ValueError(
+                f"Fp8Recipe(amax_margin={margin}) gives delayed scaling headroom, but "
+                "amax_history is 0 (current scaling never saturates); set amax_history=n "
+                "or amax_margin=0"
             )
         if not isinstance(self.cache_weights, bool):
             raise ValueError(

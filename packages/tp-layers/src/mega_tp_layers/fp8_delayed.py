@@ -113,11 +113,16 @@ class Fp8AmaxHistory(nn.Module):
     history: Tensor
     current: Tensor
 
-    def __init__(self, length: int, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, length: int, device: torch.device | str | None = None, margin: int = 0
+    ) -> None:
         super().__init__()
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"Fp8AmaxHistory length ({length!r}) must be a positive integer")
+        _check_margin("Fp8AmaxHistory margin", margin)
         self.length = length
+        self.margin = margin
+        """Scales leave 2^margin of headroom: the amax they use is the history's x 2^margin."""
         self.register_buffer("history", torch.zeros(length, 2, device=device))
         self.register_buffer("current", torch.zeros(2, device=device), persistent=False)
         self.warm = False
@@ -145,6 +150,8 @@ class Fp8AmaxHistory(nn.Module):
         if not self.warm:
             return Fp8Delayed(None, self.probe)
         amax = self.history.amax(dim=0)
+        if self.margin:  # a power of two: exact
+            amax = amax * float(2**self.margin)
         if self.grad_unit != 1.0:  # one process's gradient amax, in this rank's units
             amax = torch.stack([amax[INPUT], amax[GRAD] * self.grad_unit])
         return Fp8Delayed(amax, self.probe)
@@ -173,7 +180,16 @@ class Fp8AmaxHistory(nn.Module):
         self.probe = self._new_probe()
 
     def extra_repr(self) -> str:
-        return f"length={self.length}, warm={self.warm}, grad_unit={self.grad_unit}"
+        margin = f", margin={self.margin}" if self.margin else ""
+        return f"length={self.length}{margin}, warm={self.warm}, grad_unit={self.grad_unit}"
+
+
+def _check_margin(what: str, margin: object) -> None:
+    if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= 8:
+        raise ValueError(
+            f"{what} ({margin!r}) must be an integer from 0 to 8: the scales leave 2^margin "
+            "of headroom above the history's amax"
+        )
 
 
 def amax_history_for(
@@ -182,7 +198,7 @@ def amax_history_for(
     """A layer's amax history under a delayed-scaling recipe, else None."""
     if fp8 is None or not fp8.delayed:
         return None
-    return Fp8AmaxHistory(fp8.amax_history, device=device)
+    return Fp8AmaxHistory(fp8.amax_history, device=device, margin=fp8.amax_margin)
 
 
 def delayed_for(history: Fp8AmaxHistory | None, x: Tensor) -> Fp8Delayed | None:
@@ -198,12 +214,20 @@ def fp8_amax_histories(modules: Iterable[nn.Module]) -> list[Fp8AmaxHistory]:
 
 
 @torch.no_grad()
-def update_fp8_amax_histories(modules: Iterable[nn.Module], group: ProcessGroup | None) -> int:
+def update_fp8_amax_histories(
+    modules: Iterable[nn.Module],
+    group: ProcessGroup | None,
+    overshoot: Tensor | None = None,
+) -> int:
     """Closes a step: every layer's running max, maxed over ``group``, into its history.
 
     Call it once per optimizer step after the backward of every micro-batch, on every rank
     of ``group`` (the ranks holding the same layers: tp x dp x cp). Returns the number of
-    histories updated.
+    histories updated. ``overshoot`` (a ``[2]`` fp32 tensor on the histories' device): maxed
+    in place with this step's largest ratio, over the warm layers, of the step's amax to the
+    amax its scales used (the history's max x 2^margin), for the inputs and the output
+    gradients. Above 1, values beyond the scaled range saturated at the format's largest
+    value in that step; no host read (the caller reads it when it logs).
     """
     # sorted by length (stable, so the same order on every rank): one row range per length
     histories = sorted(fp8_amax_histories(modules), key=lambda h: h.length)
@@ -219,18 +243,38 @@ def update_fp8_amax_histories(modules: Iterable[nn.Module], group: ProcessGroup 
         else:
             for row, history in enumerate(histories):
                 current[row, GRAD] /= history.grad_unit
-    start = 0
+    start, used = 0, []
     for _, same in itertools.groupby(histories, key=lambda h: h.length):
         buffers = [h.history for h in same]  # one length at once: a few kernels a step
         stop = start + len(buffers)
         stacked = torch.stack(buffers)  # [layers, n, 2], shifted down by one row
+        if overshoot is not None:
+            used.append(stacked.amax(dim=1))  # the amaxes this step's scales came from
         shifted = torch.cat([current[start:stop].unsqueeze(1), stacked[:, :-1]], dim=1)
         torch._foreach_copy_(buffers, list(shifted.unbind(0)))
         start = stop
+    if overshoot is not None:
+        _fold_overshoot(overshoot, current, torch.cat(used), histories)
     torch._foreach_zero_([h.current for h in histories])
     for history in histories:
         history.warm = True
     return len(histories)
+
+
+def _fold_overshoot(
+    overshoot: Tensor, current: Tensor, used: Tensor, histories: list[Fp8AmaxHistory]
+) -> None:
+    """``overshoot`` maxed with the step's largest ``current / (used x 2^margin)``; a cold
+    history (all zeros: its step scaled by the current amax) counts as no overshoot."""
+    margins = {h.margin for h in histories}
+    if margins != {0}:
+        if len(margins) == 1:
+            used = used * float(2 ** margins.pop())
+        else:
+            factors = [float(2**h.margin) for h in histories]
+            used = used * torch.tensor(factors, device=used.device).unsqueeze(1)
+    ratio = torch.where(used > 0, current / used.clamp(min=1e-30), torch.zeros_like(used))
+    torch.maximum(overshoot, ratio.amax(dim=0), out=overshoot)
 
 
 @torch.no_grad()
