@@ -568,6 +568,23 @@ SUITES["s12"] = [
     ("fp8 grouped probe", 90, "python3 bench/fp8_grouped_probe.py"),
 ]  # fmt: skip
 
+# is delayed scaling's loss gap (8 % early at 1b-bench) saturation? bf16, delayed (history
+# 16) whose log carries each step's amax overshoot, and delayed with a margin of 1 (2x
+# headroom), 200 trainer steps each, then the overshoot column of every step (~430 s)
+_DELAYED_LOSS = "--train.micro_batch_size 8 --train.fp8 true --train.fp8_amax_history 16"
+SUITES["s12c"] = [
+    ("loss bf16", 140, _loss_run("l-bf16", "--train.micro_batch_size 8")),
+    ("loss fp8 delayed", 140, _loss_run("l-fp8d", _DELAYED_LOSS)),
+    ("loss fp8 delayed margin 1", 140, _loss_run("l-fp8dm1", f"{_DELAYED_LOSS} "
+                                                            "--train.fp8_amax_margin 1")),
+    ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/l-bf16 /tmp/runs/l-fp8d "
+                    "/tmp/runs/l-fp8dm1; for r in l-fp8d l-fp8dm1; do python3 -c \"import json,"
+                    "sys; rs=[json.loads(l) for l in open(sys.argv[1])]; "
+                    "print(sys.argv[1], [(r['step'], round(r['fp8_overshoot_input'], 2), "
+                    "round(r['fp8_overshoot_grad'], 2)) for r in rs if r.get('kind') == 'train'"
+                    "][:40])\" /tmp/runs/$r/metrics.jsonl; done"),
+]  # fmt: skip
+
 # delayed scaling recording through an opaque reduction (recorded_amax, the default since
 # 2026-12-06) against the fusable form it had (fused_amax), and current scaling's amax the
 # same two ways, beside bf16 in one call (~200 s)
