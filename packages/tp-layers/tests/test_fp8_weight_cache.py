@@ -262,6 +262,34 @@ def test_cache_stays_fp8_off_the_state_dict_and_refills_after_a_move() -> None:
     assert meta.fp8_weight.data.dtype == torch.float8_e4m3fn and not meta.fp8_weight.valid
 
 
+def test_the_dgrad_takes_the_cached_column_major_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache keeps the weight transposed too, so the dgrad GEMM's column-major operand
+    is not copied each micro-batch: ``torch._scaled_mm`` (faked here, as on a GPU) receives
+    the cache's own buffer, and it holds the forward's values."""
+    import mega_tp_layers.fp8 as fp8_module
+
+    seen: list[Tensor] = []
+
+    def fake_scaled_mm(a: Tensor, b: Tensor, **kwargs: Any) -> Tensor:
+        seen.append(b)
+        out = (a.float() @ b.float()) * (kwargs["scale_a"] * kwargs["scale_b"])
+        return out.to(kwargs["out_dtype"])
+
+    monkeypatch.setattr(fp8_module, "fp8_gemm_supported", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    recipe = Fp8Recipe(emulate=False, cache_weights=True)
+    layer = _Linear(recipe, _randn(FFN, H, seed=19))
+    for m in range(2):
+        x = _randn(16, H, seed=30 + m).requires_grad_(True)
+        layer(x).backward(_randn(16, FFN, seed=40 + m))
+    cache = layer.fp8_weight
+    dgrads = [b for b in seen if tuple(b.shape) == (FFN, H)]  # b of dy [16, FFN] @ W [FFN, H]
+    assert len(dgrads) == 2
+    for b in dgrads:
+        assert b.data_ptr() == cache.data_t.data_ptr() and b.t().is_contiguous()
+        assert torch.equal(b.float(), cache.data.float())
+
+
 # ---- bad input: one sentence naming the values and the way out ----------------------------
 
 CACHED = _cached(RECIPES["current"])

@@ -221,10 +221,10 @@ class TrainConfig:
     fp8_weight_cache: bool = False
     """With ``train.fp8`` and the tensor recipe: each layer quantises its weight once a step,
     at its first micro-batch, and the later micro-batches (and recomputed forwards) read that
-    fp8 copy (Transformer Engine's weight caching across micro-batches; one byte a parameter
-    held). Bit for bit what requantising gives; it pays when a step has several micro-batches:
-    on an H100, `1b-bench` at mb 1 x 8 ran 332.4 ms a step against 375.8 uncached
-    (bench/RESULTS.md, 2026-12-06)."""
+    fp8 copy and its transpose (Transformer Engine's weight caching across micro-batches; two
+    bytes a parameter held). Bit for bit what requantising gives; it pays when a step has
+    several micro-batches: on an H100, `1b-bench` at mb 1 x 8 ran 332.4 ms a step against
+    375.8 uncached (bench/RESULTS.md, 2026-12-06; before the transpose was kept too)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     compile: bool = False

@@ -128,8 +128,9 @@ class Fp8Recipe:
     cache_weights: bool = False
     """True (tensor-wise only): each layer keeps its fp8 weight from the first forward after
     :func:`~mega_tp_layers.invalidate_fp8_weight_caches` to the next, so the micro-batches of
-    one step quantise every weight once (``fp8_weight_cache``; one byte a parameter held).
-    Whoever changes the weights invalidates; the trainer does so at every step."""
+    one step quantise every weight once (``fp8_weight_cache``; two bytes a parameter held:
+    the fp8 weight and its transpose for the dgrad GEMM). Whoever changes the weights
+    invalidates; the trainer does so at every step."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -218,6 +219,9 @@ class Fp8Tensor(NamedTuple):
 
     data: Tensor
     inv_scale: Tensor
+    col_major: Tensor | None = None
+    """``data``'s values stored column-major (a transposed copy kept by its owner, e.g. a
+    weight cache), which a GEMM taking this tensor as its second operand then need not make."""
 
     def dequantize(self) -> Tensor:
         """The fp32 values this tensor stands for."""
@@ -293,9 +297,10 @@ def scaled_gemm(
             f"for torch._scaled_mm, but the tensors are on {device}; use emulate=None (auto)"
         )
     # _scaled_mm wants a row-major, b column-major: both copies are no-ops when already so
+    b_data = b.col_major if b.col_major is not None else b.data.t().contiguous().t()
     out: Tensor = torch._scaled_mm(
         a.data.contiguous(),
-        b.data.t().contiguous().t(),
+        b_data,
         scale_a=a.inv_scale,
         scale_b=b.inv_scale,
         out_dtype=out_dtype,
@@ -572,6 +577,7 @@ class _Fp8Linear(Function):
         probe: Tensor | None,
         w_data: Tensor | None,
         w_inv: Tensor | None,
+        w_col: Tensor | None,
     ) -> Tensor:
         ctx.recipe, ctx.x_dtype, ctx.groups = recipe, x.dtype, groups
         ctx.delayed = probe is not None  # delayed scaling: |dy|'s max is the probe's gradient
@@ -594,7 +600,9 @@ class _Fp8Linear(Function):
             wq = Fp8Tensor(w_data, w_inv)
         else:
             wq = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, _group(w_group))  # [out, in]
-        ctx.save_for_backward(xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight, g_amax)
+        ctx.save_for_backward(
+            xq.data, xq.inv_scale, wq.data, wq.inv_scale, weight, g_amax, w_col
+        )  # w_col: a weight cache's column-major copy, for the dgrad GEMM
         out = scaled_gemm(xq, Fp8Tensor(wq.data.t(), wq.inv_scale), x.dtype, recipe, forward=True)
         return out if bias is None else out + bias
 
@@ -612,8 +620,8 @@ class _Fp8Linear(Function):
         if per_gemm:
             x, weight = ctx.saved_tensors
         elif ctx.quantised:
-            x_data, x_inv, w_data, w_inv, weight, g_amax = ctx.saved_tensors
-            x, wq = Fp8Tensor(x_data, x_inv), Fp8Tensor(w_data, w_inv)
+            x_data, x_inv, w_data, w_inv, weight, g_amax, w_col = ctx.saved_tensors
+            x, wq = Fp8Tensor(x_data, x_inv), Fp8Tensor(w_data, w_inv, w_col)
             if need_x or need_w:
                 g = shared_grad(grad, weight.shape[1], recipe, g_group, g_amax)
         else:
@@ -648,8 +656,8 @@ class _Fp8Linear(Function):
         if ctx.deferred is not None:
             store, w_param, b_param = ctx.deferred
             store.defer(wgrad, (w_param, b_param))
-            return grad_x, None, None, None, None, None, None, probe_grad, None, None
-        return grad_x, *wgrad(), None, None, None, None, probe_grad, None, None
+            return grad_x, None, None, None, None, None, None, probe_grad, None, None, None
+        return grad_x, *wgrad(), None, None, None, None, probe_grad, None, None, None
 
 
 def fp8_linear(
@@ -687,7 +695,7 @@ def fp8_linear(
     x2d = x.reshape(-1, x.shape[-1])  # [..., in] -> [tokens, in]
     groups = (x_group, w_group, g_group)
     amax, probe = (None, None) if delayed is None else delayed
-    w8 = (None, None) if weight_q is None else (weight_q.data, weight_q.inv_scale)
+    w8 = (None,) * 3 if weight_q is None else tuple(weight_q)
     if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
         deferred = (store, weight, bias)
         w, b = weight.detach(), None if bias is None else bias.detach()

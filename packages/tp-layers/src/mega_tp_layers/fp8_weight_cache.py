@@ -6,9 +6,10 @@ it, ~5 bytes of memory traffic a parameter. Within one optimizer step the weight
 change, so neither does its fp8 copy: ``Fp8Recipe(cache_weights=True)`` gives each fp8
 linear an :class:`Fp8WeightCache` that the first forward after an invalidation fills and
 every later forward (the step's other micro-batches, activation recomputation) reads. The
-values are those a fresh quantisation would give, bit for bit; the cost is one byte a
-parameter held for the whole run (the backward saved the fp8 weight of each micro-batch in
-flight anyway; with the cache they share one copy).
+values are those a fresh quantisation would give, bit for bit. The cache keeps the weight
+transposed too (``data_t``): the dgrad GEMM wants its second operand column-major and copied
+it each micro-batch. The cost is two bytes a parameter held for the whole run (the backward
+saved the fp8 weight of each micro-batch in flight anyway; with the cache they share one).
 
 Whoever changes the weights invalidates the caches: :func:`invalidate_fp8_weight_caches`
 after an optimizer step or a checkpoint load (the trainer calls it at the start of every
@@ -44,6 +45,7 @@ class Fp8WeightCache(nn.Module):
 
     data: Tensor
     inv_scale: Tensor
+    data_t: Tensor
 
     def __init__(
         self,
@@ -55,6 +57,9 @@ class Fp8WeightCache(nn.Module):
         self.fp8_dtype = dtype
         # not persistent: a checkpoint holds the weight, the cache is rebuilt from it
         self.register_buffer("data", torch.zeros(shape, dtype=dtype, device=device), False)
+        # the same values transposed: the dgrad GEMM's column-major operand, made once a step
+        rows, cols = shape
+        self.register_buffer("data_t", torch.zeros(cols, rows, dtype=dtype, device=device), False)
         self.register_buffer("inv_scale", torch.ones((), device=device), False)
         self.valid = False
 
@@ -66,19 +71,21 @@ class Fp8WeightCache(nn.Module):
                 f"Fp8WeightCache holds a weight of shape {tuple(self.data.shape)}, got "
                 f"{tuple(weight.shape)}; build the cache for the layer's own weight (shard)"
             )
-        if self.valid:
-            return Fp8Tensor(self.data, self.inv_scale)
-        fresh = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, group)
-        with torch.no_grad():
-            self.data.copy_(fresh.data)
-            self.inv_scale.copy_(fresh.inv_scale)
-        self.valid = True
-        return fresh
+        if not self.valid:
+            fresh = fp8_quantize(weight, recipe.fwd_dtype, recipe.eps, group)
+            with torch.no_grad():
+                self.data.copy_(fresh.data)
+                self.data_t.copy_(fresh.data.t())
+                self.inv_scale.copy_(fresh.inv_scale)
+            self.valid = True
+        return Fp8Tensor(self.data, self.inv_scale, self.data_t.t())
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
         result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        if self.data.dtype != self.fp8_dtype:  # .to(bf16) casts every float buffer
-            self.data = torch.zeros(self.data.shape, dtype=self.fp8_dtype, device=self.data.device)
+        for name in ("data", "data_t"):  # .to(bf16) casts every float buffer
+            buf = getattr(self, name)
+            if buf.dtype != self.fp8_dtype:
+                setattr(self, name, torch.zeros(buf.shape, dtype=self.fp8_dtype, device=buf.device))
         if self.inv_scale.dtype != torch.float32:
             self.inv_scale = self.inv_scale.float()
         self.valid = False  # moved, cast or materialised: filled again from the weight

@@ -109,6 +109,7 @@ class _ColumnParallelMatmul(Function):
         probe: Tensor | None,
         w_data: Tensor | None,
         w_inv: Tensor | None,
+        w_col: Tensor | None,
     ) -> Tensor:
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
@@ -118,32 +119,34 @@ class _ColumnParallelMatmul(Function):
         x_amax, g_amax = (None, None) if amax is None else (amax[0], amax[1])
         if fp8 is not None and fp8.scaling == "tensor" and w_data is None:
             # the weight shard scaled as the whole, once for the forward and the dgrad
-            w_data, w_inv = fp8_quantize(weight, fp8.fwd_dtype, fp8.eps, group)
-        # under SP only the local slice of x
-        ctx.save_for_backward(x, weight, x_amax, g_amax, w_data, w_inv)
+            fresh = fp8_quantize(weight, fp8.fwd_dtype, fp8.eps, group)
+            w_data, w_inv = fresh.data, fresh.inv_scale
+        # under SP only the local slice of x; w_col: a weight cache's column-major copy
+        ctx.save_for_backward(x, weight, x_amax, g_amax, w_data, w_inv, w_col)
         total = all_gather_dim0(x, group)[0] if sequence_parallel else x  # [s/tp,b,h] -> [s,b,h]
         if fp8 is None:
             return F.linear(total, weight, bias)  # [s, b, h] -> [s, b, out/tp]
         # fp8 inputs are 2-D: [s*b, h] -> [s*b, out/tp]
         out = fp8_linear_forward(
             total, weight, fp8, w_group=Fp8Shard(group, 0), x_amax=x_amax,
-            weight_q=_fp8_weight(w_data, w_inv),
+            weight_q=_fp8_weight(w_data, w_inv, None),
         )  # fmt: skip
         return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, x_amax, g_amax, w_data, w_inv = ctx.saved_tensors
+        x, weight, x_amax, g_amax, w_data, w_inv, w_col = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         group, sp, fp8 = ctx.group, ctx.sequence_parallel, ctx.fp8
         probe_grad = recorded_amax(grad) if ctx.delayed else None
-        wq = _fp8_weight(w_data, w_inv)  # tensor-wise: the forward's fp8 weight
+        wq = _fp8_weight(w_data, w_inv, w_col)  # tensor-wise: the forward's fp8 weight
         if ctx.deferred is not None:
             return (
                 *_column_dgrad_deferring_wgrad(
                     ctx.deferred, x, (weight, wq), grad, group, sp, fp8, (x_amax, g_amax)
                 ),
                 probe_grad,
+                None,
                 None,
                 None,
             )
@@ -187,12 +190,14 @@ class _ColumnParallelMatmul(Function):
             pending.wait()
         return (
             grad_input, grad_weight, grad_bias, None, None, None, None, None, probe_grad,
-            None, None,
+            None, None, None,
         )  # fmt: skip
 
 
-def _fp8_weight(data: Tensor | None, inv_scale: Tensor | None) -> Fp8Tensor | None:
-    return None if data is None or inv_scale is None else Fp8Tensor(data, inv_scale)
+def _fp8_weight(
+    data: Tensor | None, inv_scale: Tensor | None, col_major: Tensor | None
+) -> Fp8Tensor | None:
+    return None if data is None or inv_scale is None else Fp8Tensor(data, inv_scale, col_major)
 
 
 def _column_dgrad_deferring_wgrad(
@@ -291,13 +296,13 @@ def column_parallel_linear(
         weight, bias = weight.detach(), None if bias is None else bias.detach()
     if fp8 is None:
         out = _ColumnParallelMatmul.apply(
-            x, weight, bias, tp_group, sequence_parallel, None, deferred, None, None, None, None
+            x, weight, bias, tp_group, sequence_parallel, None, deferred, None, None, *(None,) * 3
         )
     else:  # the Function runs on [tokens, h]; gathering dim 0 keeps the sequence-major order
         lead = (x.shape[0] * (group_size(tp_group) if sequence_parallel else 1), *x.shape[1:-1])
         flat = x.reshape(-1, x.shape[-1])  # [s(/tp), b, h] -> [s(/tp)*b, h]
         amax, probe = (None, None) if fp8_delayed is None else fp8_delayed
-        w8 = (None, None) if fp8_weight is None else (fp8_weight.data, fp8_weight.inv_scale)
+        w8 = (None,) * 3 if fp8_weight is None else tuple(fp8_weight)
         out = _ColumnParallelMatmul.apply(
             flat, weight, bias, tp_group, sequence_parallel, fp8, deferred, amax, probe, *w8
         )
