@@ -598,6 +598,15 @@ SUITES["s12b"] = [
     ("fp8 current opaque amax", 60, f"{_PARTS} --part opaque-amax {_FP8} --steps 6 --warmup 3"),
 ]  # fmt: skip
 
+# what the twelfth session owes, one GPU, in order of value (~560 s): the opaque recording's
+# A/B (s12b), the weight cache with its transposed copy at mb 1 x 8, then the loss question
+# (s12c, its own call)
+SUITES["owed12"] = [
+    *SUITES["s12b"],
+    SUITES["s12"][1],
+    SUITES["s12"][2],
+]  # fmt: skip
+
 # the 1-step history's loss beside bf16 at 1b-bench (~260 s; the 16-step one is s11a's)
 SUITES["fp8loss1"] = [
     SUITES["fp8loss"][0],
