@@ -605,6 +605,7 @@ SUITES["owed12"] = [
     *SUITES["s12b"],
     SUITES["s12"][1],
     SUITES["s12"][2],
+    ("fp8 cache check", 120, "python3 bench/fp8_cache_check.py --mb 1 --accum 4 --steps 4"),
 ]  # fmt: skip
 
 # the 1-step history's loss beside bf16 at 1b-bench (~260 s; the 16-step one is s11a's)
