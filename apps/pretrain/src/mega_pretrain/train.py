@@ -262,6 +262,11 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                     mfu += f"  moe aux {record['moe_aux_loss']:.3f} imbalance {record['moe_imbalance']:.2f}"
                 if "mtp_loss" in record:
                     mfu += f"  mtp {record['mtp_loss']:.4f}"
+                if "fp8_overshoot_input" in record:  # above 1: delayed scales saturated
+                    mfu += (
+                        f"  fp8 overshoot {record['fp8_overshoot_input']:.2f}"
+                        f"/{record['fp8_overshoot_grad']:.2f}"
+                    )
                 console.print(
                     f"step {step:>6}/{t.steps}  loss {value:7.4f}  lr {lr:.2e}  "
                     f"grad {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s{mfu}  "
