@@ -5,8 +5,10 @@ global batch of 3 micro-batches, then an evaluation. Exact, and why: the cache h
 quantising the weight gives, so a run with it computes what a run without it computes, bit
 for bit, as long as the trainer invalidates it whenever the weights change (each step and
 each evaluation starts invalidated). A trainer that forgot would run step 2 on step 1's fp8
-weights, and the losses would part. Checked at one process and at tp 2 with sequence
-parallelism (the column layers' other path), with current and delayed scaling.
+weights, and the losses would part. Checked at one process, at tp 2 with sequence
+parallelism (the column layers' other path) and at pp 2 under 1F1B and ZB-H1 (the step's
+micro-batches interleaved across stages, weight gradients deferred), with current and
+delayed scaling.
 """
 
 from __future__ import annotations
@@ -57,17 +59,27 @@ def _run(cache: bool, history: int, layout: dict[str, object]) -> tuple[list[flo
         device=rank_device(), sequence_parallel=config.parallel.sequence_parallel,
     )  # fmt: skip
     caches = [m for chunk in built.chunks for m in chunk.modules() if isinstance(m, Fp8WeightCache)]
-    assert len(caches) == (4 * LAYERS if cache else 0)
+    assert len(caches) == (4 * LAYERS // groups.size("pp") if cache else 0)  # the rank's layers
     losses = []
     for step in range(STEPS):
         losses.append(float(runner.train_step(_batches(step), LR)[0]))
         assert all(c.valid for c in caches)  # filled by the step's first micro-batch
     losses.append(float(runner.eval_step(_batches(STEPS))))
-    weights = [p.detach().float().cpu().numpy().tobytes() for p in built.chunks[0].parameters()]
+    weights = [
+        p.detach().float().cpu().numpy().tobytes()
+        for chunk in built.chunks
+        for p in chunk.parameters()
+    ]
     return losses, weights
 
 
-LAYOUTS = {"one-process": ({}, 1), "tp2-sp": ({"tp": 2, "sequence_parallel": True}, 2)}
+LAYOUTS = {
+    "one-process": ({}, 1),
+    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, 2),
+    # pipelines run many micro-batches a step, interleaved: the cache's main use
+    "pp2-1f1b": ({"pp": 2}, 2),
+    "pp2-zb-h1": ({"pp": 2, "pp_schedule": "zb-h1"}, 2),  # weight gradients deferred
+}
 
 
 @pytest.mark.parametrize("history", [0, 2], ids=["current", "delayed"])
