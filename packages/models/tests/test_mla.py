@@ -358,6 +358,50 @@ def test_fp8_covers_every_mla_gemm(dist_pool: DistPool, tp: int, sp: bool) -> No
     dist_pool.run(_fp8_check, tp, args=(sp,))
 
 
+def _fp8_cache_check(sp: bool) -> None:
+    """MLA's GEMMs (column, row and the replicated down-projections) with fp8 weights kept
+    across micro-batches compute what they compute without, bit for bit, over two steps."""
+    from mega_parallel_grid import ParallelConfig, init_process_groups
+    from mega_tp_layers import Fp8Recipe, Fp8WeightCache, invalidate_fp8_weight_caches
+
+    groups = init_process_groups(ParallelConfig(tp=dist.get_world_size()))
+    c = model_config("tiny").replace(**FP8_MLA, num_layers=2)
+    models = [
+        GPTModel(c, groups, seed=5, fp8=Fp8Recipe(cache_weights=cache), sequence_parallel=sp)
+        for cache in (False, True)
+    ]
+    attention = models[1].layers["0"].attention
+    assert isinstance(attention, MultiLatentAttention)
+    assert all(
+        isinstance(getattr(attention, g).fp8_weight, Fp8WeightCache)
+        for g in ("q_down", "kv_down", "q_up", "proj")
+    )
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, c.vocab_size, (2, 33), generator=gen) for _ in range(4)]
+    results: list[list[torch.Tensor]] = [[], []]
+    for model, out in zip(models, results, strict=True):
+        for step in range(2):
+            invalidate_fp8_weight_caches(model.modules())
+            for ids in batches[2 * step : 2 * step + 2]:  # two micro-batches a step
+                loss = model(ids[:, :-1], ids[:, 1:]).mean()
+                loss.backward()
+                out.append(loss.detach())
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        out.append(p.grad.clone())
+                        p -= 0.1 * p.grad
+                        p.grad = None
+    assert len(results[0]) == len(results[1])
+    for i, (plain, cached) in enumerate(zip(*results, strict=True)):
+        assert torch.equal(plain, cached), f"result {i} differs"
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, True)], ids=["tp1", "tp2-sp"])
+def test_fp8_weight_cache_on_every_mla_gemm(dist_pool: DistPool, tp: int, sp: bool) -> None:
+    dist_pool.run(_fp8_cache_check, tp, args=(sp,))
+
+
 def test_self_attention_refuses_an_mla_config(dist_pool: DistPool) -> None:
     dist_pool.run(_self_attention_error, 1)
 
