@@ -67,3 +67,30 @@ def test_per_rank_parameters(dist_pool: DistPool, name: str) -> None:
         # the estimate divides norms and the padded vocabulary rows by tp like the matmul
         # weights; on these tiny models that is under 1 % of a rank's parameters
         assert abs(per_rank - busiest) <= 0.01 * busiest, (per_rank, busiest)
+
+
+def _fp8_cache_bytes() -> tuple[int, int, int, int]:
+    """(estimated cache bytes, the caches' real bytes, 2 x the built layer parameters, the
+    hidden size)."""
+    from mega_tp_layers import Fp8WeightCache
+
+    overrides = [("model.size", "tiny"), ("train.precision", "bf16"), ("train.fp8", "true"),
+                 ("train.fp8_weight_cache", "true")]  # fmt: skip
+    config = load_config(None, overrides)
+    plan = check_config(config, gpt_config(config), 1)
+    built = build(config, init_process_groups(parallel_config(config)), rank_device())
+    caches = [m for c in built.chunks for m in c.modules() if isinstance(m, Fp8WeightCache)]
+    real = sum(c.data.numel() + c.data_t.numel() for c in caches)  # one byte an element
+    layers = sum(
+        p.numel() for c in built.chunks for n, p in c.named_parameters() if n.startswith("layers.")
+    )
+    return estimate(plan).fp8_cache, real, 2 * layers, plan.model.hidden_size
+
+
+def test_fp8_cache_memory_is_two_bytes_a_layer_parameter(dist_pool: DistPool) -> None:
+    """The estimate counts two bytes for every parameter of the rank's layers; the built
+    caches hold two bytes for every fp8 linear weight: the same up to the layers' norms."""
+    [(est, real, layers, hidden)] = dist_pool.run(_fp8_cache_bytes, 1)
+    # the per-layer share of the parameters also spreads the final norm over the layers
+    assert est - layers == 2 * hidden, (est, layers)
+    assert 0 < real <= est and (est - real) <= 0.01 * est, (est, real)

@@ -135,6 +135,13 @@ def dry_run(config: TrainerConfig, world_size: int) -> str:
             if est.in_flight
             else []
         ),
+        *(
+            [
+                f"  fp8 cache   {_gib(est.fp8_cache)} (train.fp8_weight_cache: fp8 weights, transposed)"
+            ]
+            if est.fp8_cache
+            else []
+        ),
         f"  total       {_gib(est.total)}",
         *(
             [f"  host        {_gib(est.host)} (parallel.optimizer_offload: masters, moments)"]

@@ -31,10 +31,17 @@ class Estimate:
     host: int = 0
     """``parallel.optimizer_offload``: the host memory of the fp32 masters and Adam moments
     (and the masters' gradients), which :attr:`optimizer` then leaves off the device."""
+    fp8_cache: int = 0
+    """``train.fp8_weight_cache``: each transformer layer's fp8 weights and their transposes,
+    two bytes a parameter of the rank's layers (routed experts excepted: they run in bf16;
+    the layers' norms are counted too, a fraction of a percent)."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.in_flight
+        return (
+            self.weights + self.grads + self.optimizer + self.activations + self.in_flight
+            + self.fp8_cache
+        )  # fmt: skip
 
 
 def estimate(plan: Plan) -> Estimate:
@@ -95,11 +102,15 @@ def estimate(plan: Plan) -> Estimate:
     in_flight = p.pp if p.pp > 1 else 1
     activations = int(layer_act * act_scale * layers_per_stage * in_flight)
     logits = int(s * b * model.vocab_size / p.tp * 4 * 2)  # fp32 logits and their gradient
+    fp8_cache = 0
+    if t.fp8 and t.fp8_weight_cache:  # the layers' dense parameters (the embedding excepted)
+        layer_params = dense_rank - spec.params_per_rank(model, parallel, 0)[0]
+        fp8_cache = 2 * layer_params
     return Estimate(
         total_params=total, params_per_rank=per_rank, weights=weights, grads=grads,
         optimizer=optimizer, activations=activations + logits,
         flops_per_token=plan.flops_per_token(), in_flight=in_flight_bytes(plan, width),
-        host=host,
+        host=host, fp8_cache=fp8_cache,
     )  # fmt: skip
 
 
