@@ -7,8 +7,8 @@ for bit, as long as the trainer invalidates it whenever the weights change (each
 each evaluation starts invalidated). A trainer that forgot would run step 2 on step 1's fp8
 weights, and the losses would part. Checked at one process, at tp 2 with sequence
 parallelism (the column layers' other path) and at pp 2 under 1F1B and ZB-H1 (the step's
-micro-batches interleaved across stages, weight gradients deferred), with current and
-delayed scaling.
+micro-batches interleaved across stages, weight gradients deferred) and with full activation
+recomputation (the backward's forwards read the cache), with current and delayed scaling.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _config(cache: bool, history: int, layout: dict[str, object]) -> TrainerConf
         "train.fp8_amax_history": history, "train.fp8_weight_cache": cache,
         "parallel.bucket_size": 1000,
     }  # fmt: skip
-    pairs.update({f"parallel.{k}": v for k, v in layout.items()})
+    pairs.update({k if "." in k else f"parallel.{k}": v for k, v in layout.items()})
     return load_config(None, [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in pairs.items()])  # fmt: skip
 
 
@@ -79,6 +79,7 @@ LAYOUTS = {
     # pipelines run many micro-batches a step, interleaved: the cache's main use
     "pp2-1f1b": ({"pp": 2}, 2),
     "pp2-zb-h1": ({"pp": 2, "pp_schedule": "zb-h1"}, 2),  # weight gradients deferred
+    "recompute-full": ({"train.recompute": "full"}, 1),  # forwards run again in backward
 }
 
 
