@@ -569,16 +569,19 @@ SUITES["s12"] = [
 ]  # fmt: skip
 
 # is delayed scaling's loss gap (8 % early at 1b-bench) saturation? bf16, delayed (history
-# 16) whose log carries each step's amax overshoot, and delayed with a margin of 1 (2x
-# headroom), 200 trainer steps each, then the overshoot column of every step (~430 s)
+# 16) whose log carries each step's amax overshoot, delayed with a margin of 1 (2x
+# headroom), and recording one step in 8 with that margin, 200 trainer steps each, then the
+# overshoot column of every step (~570 s)
 _DELAYED_LOSS = "--train.micro_batch_size 8 --train.fp8 true --train.fp8_amax_history 16"
 SUITES["s12c"] = [
     ("loss bf16", 140, _loss_run("l-bf16", "--train.micro_batch_size 8")),
     ("loss fp8 delayed", 140, _loss_run("l-fp8d", _DELAYED_LOSS)),
     ("loss fp8 delayed margin 1", 140, _loss_run("l-fp8dm1", f"{_DELAYED_LOSS} "
                                                             "--train.fp8_amax_margin 1")),
+    ("loss fp8 delayed interval 8 margin 1", 140, _loss_run(
+        "l-fp8di8", f"{_DELAYED_LOSS} --train.fp8_amax_margin 1 --train.fp8_amax_interval 8")),
     ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/l-bf16 /tmp/runs/l-fp8d "
-                    "/tmp/runs/l-fp8dm1; for r in l-fp8d l-fp8dm1; do python3 -c \"import json,"
+                    "/tmp/runs/l-fp8dm1 /tmp/runs/l-fp8di8; for r in l-fp8d l-fp8dm1; do python3 -c \"import json,"
                     "sys; rs=[json.loads(l) for l in open(sys.argv[1])]; "
                     "print(sys.argv[1], [(r['step'], round(r['fp8_overshoot_input'], 2), "
                     "round(r['fp8_overshoot_grad'], 2)) for r in rs if r.get('kind') == 'train'"
@@ -598,11 +601,17 @@ SUITES["s12b"] = [
     ("fp8 current opaque amax", 60, f"{_PARTS} --part opaque-amax {_FP8} --steps 6 --warmup 3"),
 ]  # fmt: skip
 
-# what the twelfth session owes, one GPU, in order of value (~560 s): the opaque recording's
-# A/B (s12b), the weight cache with its transposed copy at mb 1 x 8, then the loss question
-# (s12c, its own call)
+# what the twelfth session owes, one GPU, in order of value (each line's limit is generous:
+# they ran ~35 s each in s12): the opaque recording's A/B (s12b) with the recording interval,
+# the weight cache with its transposed copy at mb 1 x 8 and its GPU check; then the loss
+# question (s12c, its own call)
 SUITES["owed12"] = [
-    *SUITES["s12b"],
+    *SUITES["s12b"][:3],
+    # one step in 8 records amaxes: the median step is a non-recording one (the bound's
+    # speed if it holds), the max a recording one; 8 warm-up steps compile both variants
+    ("fp8 delayed interval 8", 90, f"{_DELAYED} --set train.fp8_amax_interval=8 --steps 16 "
+                                   "--warmup 8"),
+    *SUITES["s12b"][3:],
     SUITES["s12"][1],
     SUITES["s12"][2],
     ("fp8 cache check", 120, "python3 bench/fp8_cache_check.py --mb 1 --accum 4 --steps 4"),

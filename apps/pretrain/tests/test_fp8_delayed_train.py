@@ -249,6 +249,27 @@ def test_resume_continues_the_histories_exactly(dist_pool: DistPool, tmp_path: P
         assert torch.equal(value[1:3], saved[name][:2]), name  # the saved rows, pushed on
 
 
+def test_an_interval_records_every_kth_step_and_resumes_in_phase(
+    dist_pool: DistPool, tmp_path: Path
+) -> None:
+    """train.fp8_amax_interval 2 over 3 steps: steps 0 and 2 record (two rows pushed), and
+    a run stopped after step 0 resumes on the straight run's phase (its step 1 records
+    nothing, as the straight run's did; a count restarted at the resume would record),
+    bit for bit."""
+    out, interval = str(tmp_path), [("train.fp8_amax_interval", "2")]
+    straight, histories = dist_pool.run(_train, 1, args=(out, "straight", interval))[0]
+    for name, h in histories.items():
+        assert (h[:2] > 0).all() and not h[2:].any(), (name, h)
+    stopped, _ = dist_pool.run(
+        _train, 1, args=(out, "resumed", [*interval, ("train.exit_interval", "1")])
+    )[0]
+    assert len(stopped) == 1
+    resumed, resumed_histories = dist_pool.run(_train, 1, args=(out, "resumed", interval))[0]
+    assert len(resumed) == 2 and _logged_losses(tmp_path / "resumed") == straight
+    for name, value in resumed_histories.items():
+        assert torch.equal(value, histories[name]), name
+
+
 def _overshoots(run_dir: Path) -> list[tuple[float, float]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     records = [r for r in map(json.loads, lines) if r["kind"] == "train"]
@@ -309,9 +330,19 @@ FP8 = [("train.fp8", "true"), ("train.precision", "bf16")]
             r"^train.fp8_amax_margin \(1\) gives delayed scaling headroom, but "
             r"train.fp8_amax_history is 0 \(current scaling never saturates\); set",
         ),
+        (
+            [*FP8, ("train.fp8_amax_history", "4"), ("train.fp8_amax_interval", "0")],
+            r"^train.fp8_amax_interval \(0\) must be a positive integer: amaxes are recorded "
+            r"every interval-th step \(1: every step\)$",
+        ),
+        (
+            [*FP8, ("train.fp8_amax_interval", "8")],
+            r"^train.fp8_amax_interval \(8\) spaces delayed scaling's recording, but "
+            r"train.fp8_amax_history is 0; set",
+        ),
     ],
     ids=["negative", "without-fp8", "row-recipe", "tp-comm-overlap", "margin-range",
-         "margin-without-history"],
+         "margin-without-history", "interval-zero", "interval-without-history"],
 )  # fmt: skip
 def test_amax_history_config_errors(overrides: list[tuple[str, str]], pattern: str) -> None:
     config = load_config(None, overrides)

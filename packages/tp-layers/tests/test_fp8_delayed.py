@@ -42,6 +42,7 @@ from mega_tp_layers import (
     param_generator,
     recorded_amax,
     refresh_fp8_amax_histories,
+    set_fp8_amax_recording,
     set_fp8_grad_unit,
     shard_tensor,
     update_fp8_amax_histories,
@@ -185,6 +186,54 @@ def test_overshoot_is_the_largest_growth_over_the_used_amax() -> None:
     b.current.copy_(torch.tensor([8.0, 0.0]))  # 8 / (2 x max(1, 1)): 4x
     update_fp8_amax_histories([b], None, overshoot=fresh)
     torch.testing.assert_close(fresh, torch.tensor([4.0, 0.0]), rtol=2**-20, atol=0)
+
+
+def test_a_step_that_records_nothing_scales_from_the_history() -> None:
+    """amax_interval 2: on a step that does not record, the casts scale from the history
+    exactly as a recording step would, and neither |x| nor |dy| is reduced: the running
+    maxes stay zero, the probe gets no gradient, the update pushes nothing."""
+    recipe = Fp8Recipe(emulate=True, amax_history=2, amax_interval=2)
+    w = _randn(FFN, H, seed=36)
+    layer = _Linear(recipe, w)
+    history = layer.fp8_amax
+    assert history is not None and history.interval == 2
+    _push(history, torch.tensor([2.5, 3e-3]))
+    before = history.history.clone()
+    assert not set_fp8_amax_recording([layer], 1)  # step 1 of interval 2: no recording
+    x, dy = _randn(16, H, seed=37), _randn(16, FFN, seed=38, scale=1e-3)
+    xp = x.clone().requires_grad_()
+    y = layer(xp)
+    y.backward(dy)
+    (qx, ix), (qg, ig) = _hand_q(x, torch.tensor(2.5), E4M3), _hand_q(dy, torch.tensor(3e-3), E5M2)
+    qw, iw = _hand_q(w, w.abs().amax(), E4M3)
+    assert torch.equal(y, (qx @ qw.t()) * (ix * iw))
+    assert xp.grad is not None and torch.equal(xp.grad, (qg @ qw) * (ig * iw))
+    assert not history.current.any() and history.probe.grad is None
+    assert update_fp8_amax_histories([layer], None) == 0
+    assert torch.equal(history.history, before)
+    assert set_fp8_amax_recording([layer], 2)  # step 2: records again
+    layer(x).backward(dy)
+    assert torch.equal(history.current, torch.stack([x.abs().amax(), dy.abs().amax()]))
+
+
+def test_recording_steps_follow_each_interval() -> None:
+    """Step k records where k % interval == 0; a cold history records on any step."""
+    every, second, third = (Fp8AmaxHistory(2, interval=i) for i in (1, 2, 3))
+    for h in (every, second, third):
+        h.warm = True
+    seen = []
+    for step in range(6):
+        set_fp8_amax_recording([every, second, third], step)
+        seen.append((every.recording, second.recording, third.recording))
+    assert [s[1] for s in seen] == [True, False] * 3 and [s[2] for s in seen] == [
+        True,
+        False,
+        False,
+    ] * 2
+    assert all(s[0] for s in seen)
+    cold = Fp8AmaxHistory(2, interval=4)
+    assert set_fp8_amax_recording([cold], 3) and not cold.recording  # cold: records anyway
+    assert cold.for_forward(torch.ones(2)).probe is cold.probe
 
 
 def test_history_keeps_the_last_n_steps() -> None:
@@ -339,6 +388,32 @@ def test_compiled_equals_eager_over_a_cold_and_warm_steps(backend: str) -> None:
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_equals_eager_with_an_interval(backend: str) -> None:
+    """amax_interval 2: the recording flag gives a variant without reductions; compiled
+    steps that record and steps that do not equal eager's, histories included."""
+    recipe = Fp8Recipe(emulate=True, amax_history=2, amax_interval=2)
+    w = _randn(FFN, H, seed=45)
+    eager, compiled_layer = _Linear(recipe, w), _Linear(recipe, w)
+    compiled = torch.compile(compiled_layer, backend=backend, fullgraph=True)
+    try:
+        for step in range(4):
+            set_fp8_amax_recording([eager, compiled_layer], step)
+            xs = [_randn(16, H, seed=50 + 2 * step + i, scale=1.0 + step) for i in range(2)]
+            dys = [_randn(16, FFN, seed=70 + 2 * step + i, scale=1e-3) for i in range(2)]
+            want = _step(eager, xs, dys)
+            got = _step(compiled, xs, dys)  # type: ignore[arg-type]
+            for g, e in zip(got, want, strict=True):
+                torch.testing.assert_close(g, e, rtol=2**-20, atol=0)
+            update_fp8_amax_histories([eager], None)
+            update_fp8_amax_histories([compiled_layer], None)
+            assert eager.fp8_amax is not None and compiled_layer.fp8_amax is not None
+            assert torch.equal(compiled_layer.fp8_amax.history, eager.fp8_amax.history)
+        assert eager.fp8_amax is not None and (eager.fp8_amax.history > 0).all()  # 2 recorded
+    finally:
+        torch._dynamo.reset()
+
+
 # ---- layouts: tp 2 (with and without SP) and dp 2 against one process --------------------
 
 
@@ -441,6 +516,15 @@ def test_layouts_record_the_one_process_history(
         ),
         (lambda: Fp8AmaxHistory(2, margin=9), r"^Fp8AmaxHistory margin \(9\) must be an integer"),
         (
+            lambda: Fp8Recipe(amax_history=2, amax_interval=0),
+            r"^Fp8Recipe.amax_interval \(0\) must be a positive integer: amaxes are recorded",
+        ),
+        (
+            lambda: Fp8Recipe(amax_interval=4),
+            r"^Fp8Recipe\(amax_interval=4\) spaces delayed scaling's recording, but amax_history",
+        ),
+        (lambda: Fp8AmaxHistory(2, interval=0), r"^Fp8AmaxHistory interval \(0\) must be a "),
+        (
             lambda: set_fp8_grad_unit([Fp8AmaxHistory(2)], 0),
             r"set_fp8_grad_unit: unit \(0\) must be a positive number",
         ),
@@ -471,6 +555,9 @@ def test_layouts_record_the_one_process_history(
         "margin-negative",
         "margin-without-history",
         "margin-too-large",
+        "interval-zero",
+        "interval-without-history",
+        "history-interval-zero",
         "grad-unit",
         "no-history",
         "history-without-recipe",

@@ -130,7 +130,8 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
             model, groups, stage, cp_method=p.cp_method,
             fp8=Fp8Recipe(
                 scaling=t.fp8_recipe, amax_history=t.fp8_amax_history,
-                amax_margin=t.fp8_amax_margin, cache_weights=t.fp8_weight_cache,
+                amax_margin=t.fp8_amax_margin, amax_interval=t.fp8_amax_interval,
+                cache_weights=t.fp8_weight_cache,
             )
             if t.fp8
             else False,

@@ -218,6 +218,12 @@ class TrainConfig:
     2^margin x from one step to the next does not saturate. The log's ``fp8_overshoot_input``
     / ``fp8_overshoot_grad`` show the largest such growth of each interval (above 1: values
     saturated)."""
+    fp8_amax_interval: int = 1
+    """With ``train.fp8_amax_history`` n > 0: amaxes are recorded on every k-th step only
+    (counted over the run, so a resume keeps the phase); the steps between scale from the
+    history with no amax reduction at all, the speed of fixed scales (`1b-bench` on an H100:
+    1.339x bf16 against 1.203x recording every step). A tensor that grows between recorded
+    steps saturates: watch the log's ``fp8 overshoot`` and ``train.fp8_amax_margin``."""
     fp8_weight_cache: bool = False
     """With ``train.fp8`` and the tensor recipe: each layer quantises its weight once a step,
     at its first micro-batch, and the later micro-batches (and recomputed forwards) read that

@@ -31,6 +31,7 @@ from mega_tp_layers import (
     fp8_amax_histories,
     fp8_weight_caches,
     invalidate_fp8_weight_caches,
+    set_fp8_amax_recording,
     update_fp8_amax_histories,
 )
 from mega_zero_optim import StepResult
@@ -94,6 +95,7 @@ class StepRunner:
         # delayed scaling: the largest step-to-step growth of an amax over the scale's, per
         # log interval (fp8_log_values reads and resets it)
         self.fp8_overshoot = torch.zeros(2, device=device) if self.amax_histories else None
+        self._calls = 0  # train_step calls: the step index when the caller gives none
         self.cp = groups.size("cp")
         self.last_losses: list[dict[str, Tensor]] = []
         self.packing = built.packing
@@ -188,11 +190,18 @@ class StepRunner:
         return [(tokens, labels, share) for tokens, labels in batches]
 
     def train_step(
-        self, batches: Sequence[Microbatch], lr: float, *, timer: PhaseTimer | None = None
+        self,
+        batches: Sequence[Microbatch],
+        lr: float,
+        *,
+        timer: PhaseTimer | None = None,
+        step: int | None = None,
     ) -> tuple[Tensor, StepResult]:
         """Forward, backward and optimizer step; returns the mean loss (a device tensor).
         ``timer`` times the schedule as ``fwd_bwd`` and the rest (gradient sync, clip, step)
-        as ``optim``."""
+        as ``optim``. ``step``: this step's 0-based index in the run, which says whether
+        delayed fp8 scaling records amaxes (``train.fp8_amax_interval``); None counts the
+        calls of this runner."""
         phase = timer.phase if timer is not None else _untimed
         optimizer = self.built.optimizer
         for group in optimizer.param_groups:
@@ -209,6 +218,9 @@ class StepRunner:
         # the weights may have changed since the last forward (a step, a load): each layer's
         # first micro-batch quantises its weight again, the others read that fp8 copy
         invalidate_fp8_weight_caches(self.weight_caches)
+        if self.amax_histories:  # delayed fp8 scaling: does this step record amaxes?
+            set_fp8_amax_recording(self.amax_histories, self._calls if step is None else step)
+        self._calls += 1
         with phase("fwd_bwd"):
             loss = self._run(batches, forward_only=False)
         with phase("optim"):

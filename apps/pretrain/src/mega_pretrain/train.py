@@ -221,7 +221,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
                 batches = _microbatches(train_set, sampler, plan.microbatches)
             skipped = False
             try:
-                loss, result = runner.train_step(batches, lr, timer=timer)
+                loss, result = runner.train_step(batches, lr, timer=timer, step=step)
             except FloatingPointError as exc:
                 # the trainer numbers the steps: the optimizer's own "step N: " is dropped
                 why = f"step {step + 1}: {_STEP_PREFIX.sub('', str(exc), count=1)}"

@@ -150,6 +150,18 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             "train.fp8_amax_history is 0 (current scaling never saturates); set "
             "train.fp8_amax_history n or train.fp8_amax_margin 0"
         )
+    interval = t.fp8_amax_interval
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise ValueError(
+            f"train.fp8_amax_interval ({interval!r}) must be a positive integer: amaxes are "
+            "recorded every interval-th step (1: every step)"
+        )
+    if interval > 1 and not history:
+        raise ValueError(
+            f"train.fp8_amax_interval ({interval}) spaces delayed scaling's recording, but "
+            "train.fp8_amax_history is 0; set train.fp8_amax_history n or "
+            "train.fp8_amax_interval 1"
+        )
     if history and p.tp_comm_overlap:
         raise ValueError(
             f"train.fp8_amax_history ({history}) is not supported with "

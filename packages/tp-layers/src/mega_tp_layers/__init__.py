@@ -22,6 +22,7 @@ from mega_tp_layers.fp8_delayed import (
     fp8_amax_histories,
     recorded_amax,
     refresh_fp8_amax_histories,
+    set_fp8_amax_recording,
     set_fp8_grad_unit,
     update_fp8_amax_histories,
 )
@@ -155,6 +156,7 @@ __all__ = [
     "refresh_fp8_amax_histories",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
+    "set_fp8_amax_recording",
     "set_fp8_grad_unit",
     "set_shard_spec",
     "shard_spec",

@@ -125,6 +125,11 @@ class Fp8Recipe:
     (Transformer Engine's ``margin``), so a tensor growing up to 2^margin x between steps
     does not saturate; each margin step costs one bit of the format's resolution at the top.
     ``update_fp8_amax_histories(..., overshoot=)`` measures how far a run's tensors grow."""
+    amax_interval: int = 1
+    """Delayed scaling only: amaxes are recorded on one step in ``amax_interval``
+    (:func:`~mega_tp_layers.set_fp8_amax_recording`); the steps between scale from the
+    history with no amax reduction at all, as fixed scales would. Each history entry is then
+    one recorded step's."""
     cache_weights: bool = False
     """True (tensor-wise only): each layer keeps its fp8 weight from the first forward after
     :func:`~mega_tp_layers.invalidate_fp8_weight_caches` to the next, so the micro-batches of
@@ -181,6 +186,17 @@ class Fp8Recipe:
                 f"Fp8Recipe(amax_margin={margin}) gives delayed scaling headroom, but "
                 "amax_history is 0 (current scaling never saturates); set amax_history=n "
                 "or amax_margin=0"
+            )
+        interval = self.amax_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(
+                f"Fp8Recipe.amax_interval ({interval!r}) must be a positive integer: amaxes "
+                "are recorded every interval-th step (1: every step)"
+            )
+        if interval > 1 and not history:
+            raise ValueError(
+                f"Fp8Recipe(amax_interval={interval}) spaces delayed scaling's recording, but "
+                "amax_history is 0; set amax_history=n or amax_interval=1"
             )
         if not isinstance(self.cache_weights, bool):
             raise ValueError(

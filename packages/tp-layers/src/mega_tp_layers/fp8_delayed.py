@@ -58,6 +58,7 @@ __all__ = [
     "fp8_amax_histories",
     "recorded_amax",
     "refresh_fp8_amax_histories",
+    "set_fp8_amax_recording",
     "set_fp8_grad_unit",
     "update_fp8_amax_histories",
 ]
@@ -103,8 +104,9 @@ class Fp8Delayed(NamedTuple):
     amax: Tensor | None
     """``[2]`` fp32: the amaxes to scale the input and the output gradient by; None on a
     cold step (scale by the current amax)."""
-    probe: Tensor
-    """A 0-d fp32 leaf: the backward returns the local ``|dy|`` max as its gradient."""
+    probe: Tensor | None
+    """A 0-d fp32 leaf: the backward returns the local ``|dy|`` max as its gradient; None on
+    a step that records nothing (``interval``)."""
 
 
 class Fp8AmaxHistory(nn.Module):
@@ -114,15 +116,24 @@ class Fp8AmaxHistory(nn.Module):
     current: Tensor
 
     def __init__(
-        self, length: int, device: torch.device | str | None = None, margin: int = 0
+        self,
+        length: int,
+        device: torch.device | str | None = None,
+        margin: int = 0,
+        interval: int = 1,
     ) -> None:
         super().__init__()
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"Fp8AmaxHistory length ({length!r}) must be a positive integer")
         _check_margin("Fp8AmaxHistory margin", margin)
+        _check_interval("Fp8AmaxHistory interval", interval)
         self.length = length
         self.margin = margin
         """Scales leave 2^margin of headroom: the amax they use is the history's x 2^margin."""
+        self.interval = interval
+        """Steps recorded: one in ``interval`` (see :func:`set_fp8_amax_recording`)."""
+        self.recording = True
+        """Whether this step records amaxes (a warm history only; a cold one always does)."""
         self.register_buffer("history", torch.zeros(length, 2, device=device))
         self.register_buffer("current", torch.zeros(2, device=device), persistent=False)
         self.warm = False
@@ -143,18 +154,21 @@ class Fp8AmaxHistory(nn.Module):
         probe.grad = None
 
     def for_forward(self, x: Tensor) -> Fp8Delayed:
-        """Records ``x``'s amax (in training, with gradients on) and returns the scales."""
-        if self.training and torch.is_grad_enabled():
+        """Records ``x``'s amax (in training, with gradients on, on a recording step) and
+        returns the scales, with the probe that records ``|dy|``'s (None when not recording)."""
+        record = self.recording or not self.warm
+        if record and self.training and torch.is_grad_enabled():
             amax = recorded_amax(x).reshape(1)
             self.current[INPUT:GRAD] = torch.maximum(self.current[INPUT:GRAD], amax)
+        probe = self.probe if record else None
         if not self.warm:
-            return Fp8Delayed(None, self.probe)
+            return Fp8Delayed(None, probe)
         amax = self.history.amax(dim=0)
         if self.margin:  # a power of two: exact
             amax = amax * float(2**self.margin)
         if self.grad_unit != 1.0:  # one process's gradient amax, in this rank's units
             amax = torch.stack([amax[INPUT], amax[GRAD] * self.grad_unit])
-        return Fp8Delayed(amax, self.probe)
+        return Fp8Delayed(amax, probe)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
         fresh = self.history.device.type == "meta"
@@ -181,7 +195,18 @@ class Fp8AmaxHistory(nn.Module):
 
     def extra_repr(self) -> str:
         margin = f", margin={self.margin}" if self.margin else ""
-        return f"length={self.length}{margin}, warm={self.warm}, grad_unit={self.grad_unit}"
+        interval = f", interval={self.interval}" if self.interval != 1 else ""
+        return (
+            f"length={self.length}{margin}{interval}, warm={self.warm}, grad_unit={self.grad_unit}"
+        )
+
+
+def _check_interval(what: str, interval: object) -> None:
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise ValueError(
+            f"{what} ({interval!r}) must be a positive integer: amaxes are recorded every "
+            "interval-th step (1: every step)"
+        )
 
 
 def _check_margin(what: str, margin: object) -> None:
@@ -198,7 +223,9 @@ def amax_history_for(
     """A layer's amax history under a delayed-scaling recipe, else None."""
     if fp8 is None or not fp8.delayed:
         return None
-    return Fp8AmaxHistory(fp8.amax_history, device=device, margin=fp8.amax_margin)
+    return Fp8AmaxHistory(
+        fp8.amax_history, device=device, margin=fp8.amax_margin, interval=fp8.amax_interval
+    )
 
 
 def delayed_for(history: Fp8AmaxHistory | None, x: Tensor) -> Fp8Delayed | None:
@@ -229,8 +256,10 @@ def update_fp8_amax_histories(
     gradients. Above 1, values beyond the scaled range saturated at the format's largest
     value in that step; no host read (the caller reads it when it logs).
     """
-    # sorted by length (stable, so the same order on every rank): one row range per length
-    histories = sorted(fp8_amax_histories(modules), key=lambda h: h.length)
+    # sorted by length (stable, so the same order on every rank): one row range per length;
+    # the histories that recorded this step (set_fp8_amax_recording), the same on every rank
+    recorded = [h for h in fp8_amax_histories(modules) if h.recording or not h.warm]
+    histories = sorted(recorded, key=lambda h: h.length)
     if not histories:
         return 0
     current = torch.stack([h.current for h in histories])  # [layers, 2]
@@ -283,6 +312,18 @@ def discard_fp8_amaxes(modules: Iterable[nn.Module]) -> None:
     histories = fp8_amax_histories(modules)
     if histories:
         torch._foreach_zero_([h.current for h in histories])
+
+
+def set_fp8_amax_recording(modules: Iterable[nn.Module], step: int) -> bool:
+    """Before step ``step`` (0-based, counted over the whole run, so a resumed run records
+    on the steps the straight run did): each history records amaxes on this step when
+    ``step % interval == 0`` (a cold one always). Steps that record none run the casts with
+    no reduction at all. Returns whether any history records."""
+    any_records = False
+    for history in fp8_amax_histories(modules):
+        history.recording = step % history.interval == 0
+        any_records |= history.recording or not history.warm
+    return any_records
 
 
 def set_fp8_grad_unit(modules: Iterable[nn.Module], unit: float) -> None:
