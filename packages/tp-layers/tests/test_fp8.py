@@ -378,7 +378,7 @@ def test_only_the_forward_gemm_accumulates_fast(
     """``torch._scaled_mm`` gets ``use_fast_accum`` for the forward GEMM alone (the recipe's
     choice); dgrad and wgrad keep the precise accumulation. The GEMM is faked on the CPU by
     the exact emulation, so the values still equal the emulated layer's."""
-    import mega_tp_layers.fp8 as fp8_module
+    import mega_tp_layers.fp8_gemm as fp8_gemm
 
     calls: list[bool] = []
 
@@ -388,7 +388,7 @@ def test_only_the_forward_gemm_accumulates_fast(
         return (acc * (kw["scale_a"] * kw["scale_b"])).to(kw["out_dtype"])
 
     monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
-    monkeypatch.setattr(fp8_module, "fp8_gemm_supported", lambda device: True)
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_supported", lambda device: True)  # scaled_gemm's
     recipe = Fp8Recipe(emulate=False, fast_accum_forward=fast)
     x = _randn(16, 32, seed=1).requires_grad_()
     w = _randn(48, 32, seed=2).requires_grad_()

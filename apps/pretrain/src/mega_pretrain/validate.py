@@ -12,6 +12,7 @@ from mega_pretrain.graphs import check_compile_mode
 from mega_pretrain.plan import Plan, plan_for
 from mega_pretrain.runtime import resolve_precision
 from mega_pretrain.sharding import check_sharding
+from mega_tp_layers import check_amax_history, check_amax_interval, check_amax_margin
 
 __all__ = ["check_config"]
 
@@ -126,36 +127,21 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             f"train.fp8_recipe ({t.fp8_recipe}) applies only with train.fp8 true; set "
             "train.fp8 true or leave train.fp8_recipe at tensor"
         )
-    history = t.fp8_amax_history
-    if not isinstance(history, int) or isinstance(history, bool) or history < 0:
-        raise ValueError(
-            f"train.fp8_amax_history ({history!r}) must be a non-negative integer: 0 for "
-            "current scaling, n > 0 for delayed scaling over the last n steps"
-        )
+    history = check_amax_history("train.fp8_amax_history", t.fp8_amax_history)
     if history and not (t.fp8 and t.fp8_recipe == "tensor"):
         raise ValueError(
             f"train.fp8_amax_history ({history}) is delayed scaling, which needs train.fp8 true "
             f"and train.fp8_recipe tensor (got fp8={str(t.fp8).lower()}, recipe "
             f"{t.fp8_recipe}); set those or train.fp8_amax_history 0"
         )
-    margin = t.fp8_amax_margin
-    if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= 8:
-        raise ValueError(
-            f"train.fp8_amax_margin ({margin!r}) must be an integer from 0 to 8: the delayed "
-            "scales leave 2^margin of headroom above the history's amax"
-        )
+    margin = check_amax_margin("train.fp8_amax_margin", t.fp8_amax_margin)
     if margin and not history:
         raise ValueError(
             f"train.fp8_amax_margin ({margin}) gives delayed scaling headroom, but "
             "train.fp8_amax_history is 0 (current scaling never saturates); set "
             "train.fp8_amax_history n or train.fp8_amax_margin 0"
         )
-    interval = t.fp8_amax_interval
-    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-        raise ValueError(
-            f"train.fp8_amax_interval ({interval!r}) must be a positive integer: amaxes are "
-            "recorded every interval-th step (1: every step)"
-        )
+    interval = check_amax_interval("train.fp8_amax_interval", t.fp8_amax_interval)
     if interval > 1 and not history:
         raise ValueError(
             f"train.fp8_amax_interval ({interval}) spaces delayed scaling's recording, but "

@@ -26,6 +26,7 @@ from mega_tp_layers.fp8_delayed import (
     set_fp8_grad_unit,
     update_fp8_amax_histories,
 )
+from mega_tp_layers.fp8_recipe import check_amax_history, check_amax_interval, check_amax_margin
 from mega_tp_layers.fp8_weight_cache import (
     Fp8WeightCache,
     cached_fp8_weight,
@@ -122,6 +123,9 @@ __all__ = [
     "all_reduce_coalesced",
     "amax_history_for",
     "cached_fp8_weight",
+    "check_amax_history",
+    "check_amax_interval",
+    "check_amax_margin",
     "column_parallel_linear",
     "copy_to_tp_region",
     "creation_generator",

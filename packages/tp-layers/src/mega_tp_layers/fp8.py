@@ -35,21 +35,26 @@ gradient and the input along its own axes there).
 
 from __future__ import annotations
 
-import functools
-import math
-import warnings
-from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
-from mega_tp_layers._comm import all_reduce_max, group_size
 from mega_tp_layers.fp8_delayed import Fp8Delayed, recorded_amax
+from mega_tp_layers.fp8_gemm import (
+    FP8_ALIGNMENT,
+    Fp8Tensor,
+    fp8_gemm_fits,
+    fp8_gemm_supported,
+    fp8_quantize,
+    fp8_quantize_by_amax,
+    scaled_gemm,
+    warn_unaligned,
+)
+from mega_tp_layers.fp8_recipe import Fp8Recipe
 from mega_tp_layers.fp8_scaling import (
-    SCALINGS,
     Fp8Shard,
     Fp8Tiles,
     as_dtype,
@@ -79,259 +84,10 @@ __all__ = [
     "warn_unaligned",
 ]
 
-#: ``torch._scaled_mm`` needs every GEMM dimension to be a multiple of this.
-FP8_ALIGNMENT = 16
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: The group an operand is a shard of: bare (tensor-wise only) or with its dim.
 Shard = ProcessGroup | Fp8Shard | None
-
-
-@dataclass(frozen=True)
-class Fp8Recipe:
-    """How a linear layer's three GEMMs run in FP8: scales from the current amax."""
-
-    fwd_dtype: torch.dtype = torch.float8_e4m3fn
-    """Format of inputs and weights (3 mantissa bits: relative rounding error <= 2^-4)."""
-    grad_dtype: torch.dtype | None = None
-    """Format of output gradients; None: e5m2 (2 mantissa bits, wider range: relative error
-    <= 2^-3) for tensor- and row-wise scaling, e4m3 for block-wise (DeepSeek-V3's choice, whose
-    fine scales leave no need for e5m2's range; cuBLAS's block-scaled GEMM takes e4m3 only).
-    :attr:`grad_format` is the format in use."""
-    eps: float = 1e-12
-    """Floor on amax, so that an all-zero tensor gets a finite scale."""
-    emulate: bool | None = None
-    """True: always emulate; False: always ``torch._scaled_mm`` (CUDA sm89+); None: auto."""
-    fast_accum_forward: bool = True
-    """The forward GEMM accumulates in the tensor cores' fast mode (``use_fast_accum``, no
-    periodic promotion to fp32: faster, less precise over long K); dgrad and wgrad never do.
-    The exact emulation accumulates in fp32 either way."""
-    scaling: Literal["tensor", "row", "block"] = "tensor"
-    """One scale per tensor; per row along each operand's non-contracted dimension; or per
-    1x128 tile of activations and gradients and 128x128 block of weights (``fp8_scaling``).
-    Under ``torch.compile`` on the GPU (torch 2.11) all three give eager's gradients
-    (``bench/fp8_compile_check.py``: block-wise on the H200, 2026-12-05; row-wise on an H100,
-    2026-12-06, after its GEMM results stopped passing through a no-op cast)."""
-    amax_history: int = 0
-    """0: every scale from the current amax of the tensor it quantises. n > 0 (tensor-wise
-    only): the input's and the output gradient's scales from the max amax of the last n
-    steps (delayed scaling, ``mega_tp_layers.fp8_delayed``), so the casts need no reduction
-    first and can fuse into the kernels producing those tensors; the first step scales by
-    the current amax. Megatron's ``fp8_amax_history_len``."""
-    amax_margin: int = 0
-    """Delayed scaling only: the scales leave 2^margin of headroom above the history's amax
-    (Transformer Engine's ``margin``), so a tensor growing up to 2^margin x between steps
-    does not saturate; each margin step costs one bit of the format's resolution at the top.
-    ``update_fp8_amax_histories(..., overshoot=)`` measures how far a run's tensors grow."""
-    amax_interval: int = 1
-    """Delayed scaling only: amaxes are recorded on one step in ``amax_interval``
-    (:func:`~mega_tp_layers.set_fp8_amax_recording`); the steps between scale from the
-    history with no amax reduction at all, as fixed scales would. Each history entry is then
-    one recorded step's."""
-    cache_weights: bool = False
-    """True (tensor-wise only): each layer keeps its fp8 weight from the first forward after
-    :func:`~mega_tp_layers.invalidate_fp8_weight_caches` to the next, so the micro-batches of
-    one step quantise every weight once (``fp8_weight_cache``; two bytes a parameter held:
-    the fp8 weight and its transpose for the dgrad GEMM). Whoever changes the weights
-    invalidates; the trainer does so at every step."""
-
-    def __post_init__(self) -> None:
-        if self.scaling not in SCALINGS:
-            raise ValueError(
-                f"Fp8Recipe.scaling ({self.scaling!r}) is not one of {', '.join(SCALINGS)}; "
-                "pick one of those"
-            )
-        for label, value in (("fwd_dtype", self.fwd_dtype), ("grad_dtype", self.grad_format)):
-            if value not in _FP8_DTYPES:
-                raise ValueError(
-                    f"Fp8Recipe.{label} ({value}) is not an fp8 format; "
-                    "use torch.float8_e4m3fn or torch.float8_e5m2"
-                )
-        if self.scaling == "block" and torch.float8_e5m2 in (self.fwd_dtype, self.grad_format):
-            raise ValueError(
-                "Fp8Recipe(scaling='block') quantises every operand in torch.float8_e4m3fn "
-                "(cuBLAS's block-scaled GEMM refuses e5m2: 'Invalid scaling configuration' on "
-                "the H200); leave fwd_dtype and grad_dtype at their defaults"
-            )
-        if self.fwd_dtype == self.grad_format == torch.float8_e5m2:
-            raise ValueError(
-                "Fp8Recipe has fwd_dtype and grad_dtype both torch.float8_e5m2, which "
-                "torch._scaled_mm cannot multiply together; keep fwd_dtype=torch.float8_e4m3fn"
-            )
-        if not isinstance(self.fast_accum_forward, bool):
-            raise ValueError(
-                f"Fp8Recipe.fast_accum_forward ({self.fast_accum_forward!r}) must be True or False"
-            )
-        history = self.amax_history
-        if not isinstance(history, int) or isinstance(history, bool) or history < 0:
-            raise ValueError(
-                f"Fp8Recipe.amax_history ({history!r}) must be a non-negative integer: 0 for "
-                "current scaling, n > 0 for delayed scaling over the last n steps"
-            )
-        if history and self.scaling != "tensor":
-            raise ValueError(
-                f"Fp8Recipe(amax_history={history}) is delayed scaling, which is tensor-wise "
-                f"only, not scaling={self.scaling!r}; use scaling='tensor' or amax_history=0"
-            )
-        margin = self.amax_margin
-        if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= 8:
-            raise ValueError(
-                f"Fp8Recipe.amax_margin ({margin!r}) must be an integer from 0 to 8: the "
-                "scales leave 2^margin of headroom above the history's amax"
-            )
-        if margin and not history:
-            raise ValueError(
-                f"Fp8Recipe(amax_margin={margin}) gives delayed scaling headroom, but "
-                "amax_history is 0 (current scaling never saturates); set amax_history=n "
-                "or amax_margin=0"
-            )
-        interval = self.amax_interval
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise ValueError(
-                f"Fp8Recipe.amax_interval ({interval!r}) must be a positive integer: amaxes "
-                "are recorded every interval-th step (1: every step)"
-            )
-        if interval > 1 and not history:
-            raise ValueError(
-                f"Fp8Recipe(amax_interval={interval}) spaces delayed scaling's recording, but "
-                "amax_history is 0; set amax_history=n or amax_interval=1"
-            )
-        if not isinstance(self.cache_weights, bool):
-            raise ValueError(
-                f"Fp8Recipe.cache_weights ({self.cache_weights!r}) must be True or False"
-            )
-        if self.cache_weights and self.scaling != "tensor":
-            raise ValueError(
-                f"Fp8Recipe(cache_weights=True) keeps a tensor-wise fp8 weight, not "
-                f"scaling={self.scaling!r} (each GEMM tiles the weight its own way); use "
-                "scaling='tensor' or cache_weights=False"
-            )
-        if not (isinstance(self.eps, float | int) and math.isfinite(self.eps) and self.eps > 0):
-            raise ValueError(f"Fp8Recipe.eps ({self.eps!r}) must be a positive finite number")
-
-    @property
-    def delayed(self) -> bool:
-        """Whether scales come from an amax history (``amax_history > 0``)."""
-        return self.amax_history > 0
-
-    @property
-    def grad_format(self) -> torch.dtype:
-        """The output gradients' fp8 format (``grad_dtype``, or the scaling's default)."""
-        if self.grad_dtype is not None:
-            return self.grad_dtype
-        return torch.float8_e4m3fn if self.scaling == "block" else torch.float8_e5m2
-
-    def emulated_on(self, device: torch.device) -> bool:
-        """Whether GEMMs on ``device`` are emulated (``emulate``, or auto: no sm89+ GPU)."""
-        if self.emulate is not None:
-            return self.emulate
-        return not fp8_gemm_supported(device)
-
-
-class Fp8Tensor(NamedTuple):
-    """An fp8 tensor and its fp32 scalar inverse scale: ``data.float() * inv_scale ~ x``."""
-
-    data: Tensor
-    inv_scale: Tensor
-    col_major: Tensor | None = None
-    """``data``'s values stored column-major (a transposed copy kept by its owner, e.g. a
-    weight cache), which a GEMM taking this tensor as its second operand then need not make."""
-
-    def dequantize(self) -> Tensor:
-        """The fp32 values this tensor stands for."""
-        return self.data.float() * self.inv_scale
-
-
-def fp8_gemm_supported(device: torch.device) -> bool:
-    """True when ``torch._scaled_mm`` runs on ``device`` (CUDA, compute capability >= 8.9)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def fp8_gemm_fits(*dims: int) -> bool:
-    """True when every GEMM dimension is a multiple of :data:`FP8_ALIGNMENT`."""
-    return all(d % FP8_ALIGNMENT == 0 for d in dims)
-
-
-def fp8_quantize(
-    x: Tensor, dtype: torch.dtype, eps: float = 1e-12, group: ProcessGroup | None = None
-) -> Fp8Tensor:
-    """``x`` in the fp8 ``dtype`` with one scale for the whole tensor (its current amax).
-
-    With ``group``, ``x`` is this rank's shard of a tensor split over the group: the amax
-    is the max over every rank's shard (one scalar all-reduce, no host sync), so each shard
-    is quantised exactly as the whole tensor would be.
-    """
-    if dtype not in _FP8_DTYPES:
-        raise ValueError(
-            f"fp8_quantize dtype ({dtype}) is not an fp8 format; "
-            "use torch.float8_e4m3fn or torch.float8_e5m2"
-        )
-    x32 = x.detach().float()
-    amax = x32.abs().amax()
-    if group is not None and group_size(group) > 1:
-        all_reduce_max(amax, group)  # the whole tensor's amax
-    return fp8_quantize_by_amax(x32, amax, dtype, eps)
-
-
-def fp8_quantize_by_amax(
-    x: Tensor, amax: Tensor, dtype: torch.dtype, eps: float = 1e-12
-) -> Fp8Tensor:
-    """``x`` in the fp8 ``dtype`` with the scale of a given ``amax`` (an fp32 scalar tensor).
-
-    The amax may be that of a larger tensor ``x`` is part of (e.g. reduced over ranks), so
-    that slices quantised apart get the values quantising the whole would give.
-    """
-    fmax = torch.finfo(dtype).max
-    scale = fmax / amax.float().clamp(min=eps)  # fp32 scalar, on x's device
-    data = (x.detach().float() * scale).clamp(-fmax, fmax).to(dtype)
-    return Fp8Tensor(data, scale.reciprocal())
-
-
-def scaled_gemm(
-    a: Fp8Tensor,
-    b: Fp8Tensor,
-    out_dtype: torch.dtype,
-    recipe: Fp8Recipe,
-    *,
-    forward: bool = False,
-) -> Tensor:
-    """``dequant(a) @ dequant(b)`` for ``a`` ``[M, K]`` and ``b`` ``[K, N]``, in ``out_dtype``.
-
-    ``forward``: a forward GEMM, which accumulates fast if ``recipe.fast_accum_forward``.
-    """
-    device = a.data.device
-    if recipe.emulated_on(device):
-        acc = a.data.float() @ b.data.float()  # products of fp8 values are exact in fp32
-        return as_dtype(acc * (a.inv_scale * b.inv_scale), out_dtype)
-    if not fp8_gemm_supported(device):
-        raise ValueError(
-            f"Fp8Recipe(emulate=False) needs a CUDA device of compute capability 8.9 or newer "
-            f"for torch._scaled_mm, but the tensors are on {device}; use emulate=None (auto)"
-        )
-    # _scaled_mm wants a row-major, b column-major: both copies are no-ops when already so
-    b_data = b.col_major if b.col_major is not None else b.data.t().contiguous().t()
-    out: Tensor = torch._scaled_mm(
-        a.data.contiguous(),
-        b_data,
-        scale_a=a.inv_scale,
-        scale_b=b.inv_scale,
-        out_dtype=out_dtype,
-        use_fast_accum=forward and recipe.fast_accum_forward,
-    )
-    return out
-
-
-@functools.cache
-def warn_unaligned(what: str, dims: tuple[int, ...]) -> None:
-    warnings.warn(
-        f"fp8 {what} GEMM of dims {dims} is not a multiple of {FP8_ALIGNMENT} in every "
-        "dimension, as torch._scaled_mm needs; it runs in high precision instead",
-        stacklevel=3,
-    )
 
 
 def _check_pair(

@@ -45,9 +45,10 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from mega_tp_layers._comm import all_reduce_max, group_size
+from mega_tp_layers.fp8_recipe import check_amax_interval, check_amax_margin
 
 if TYPE_CHECKING:
-    from mega_tp_layers.fp8 import Fp8Recipe
+    from mega_tp_layers.fp8_recipe import Fp8Recipe
 
 __all__ = [
     "Fp8AmaxHistory",
@@ -125,8 +126,8 @@ class Fp8AmaxHistory(nn.Module):
         super().__init__()
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"Fp8AmaxHistory length ({length!r}) must be a positive integer")
-        _check_margin("Fp8AmaxHistory margin", margin)
-        _check_interval("Fp8AmaxHistory interval", interval)
+        check_amax_margin("Fp8AmaxHistory margin", margin)
+        check_amax_interval("Fp8AmaxHistory interval", interval)
         self.length = length
         self.margin = margin
         """Scales leave 2^margin of headroom: the amax they use is the history's x 2^margin."""
@@ -198,22 +199,6 @@ class Fp8AmaxHistory(nn.Module):
         interval = f", interval={self.interval}" if self.interval != 1 else ""
         return (
             f"length={self.length}{margin}{interval}, warm={self.warm}, grad_unit={self.grad_unit}"
-        )
-
-
-def _check_interval(what: str, interval: object) -> None:
-    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-        raise ValueError(
-            f"{what} ({interval!r}) must be a positive integer: amaxes are recorded every "
-            "interval-th step (1: every step)"
-        )
-
-
-def _check_margin(what: str, margin: object) -> None:
-    if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin <= 8:
-        raise ValueError(
-            f"{what} ({margin!r}) must be an integer from 0 to 8: the scales leave 2^margin "
-            "of headroom above the history's amax"
         )
 
 
