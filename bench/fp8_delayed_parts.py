@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+import mega_tp_layers.column_parallel as column_parallel
 import mega_tp_layers.fp8 as fp8
 import mega_tp_layers.fp8_delayed as delayed
-import mega_tp_layers.linear as linear
 
 
 def _no_record(self: delayed.Fp8AmaxHistory, x: Tensor) -> delayed.Fp8Delayed:
@@ -42,7 +42,7 @@ def _no_probe(self: delayed.Fp8AmaxHistory, x: Tensor) -> delayed.Fp8Delayed:
     if not self.warm:
         return _record(self, x)
     # no probe: the linear's backward computes no |dy| max (the scales stay the cold step's)
-    return delayed.Fp8Delayed(self.history.amax(dim=0), None)  # type: ignore[arg-type]
+    return delayed.Fp8Delayed(self.history.amax(dim=0), None)
 
 
 _record = delayed.Fp8AmaxHistory.for_forward
@@ -76,7 +76,7 @@ if __name__ == "__main__":
     elif part == "opaque-amax":
         fp8.fp8_quantize = _quantize_by(delayed.recorded_amax)
     elif part == "fused-record":  # delayed scaling recording as it did until 2026-12-06
-        for module in (fp8, linear, delayed):
+        for module in (fp8, column_parallel, delayed):
             module.recorded_amax = delayed.fused_amax  # type: ignore[attr-defined]
     else:
         patch = _no_record if part == "no-record" else _no_probe
