@@ -266,7 +266,7 @@ def test_the_dgrad_takes_the_cached_column_major_copy(monkeypatch: pytest.Monkey
     """The cache keeps the weight transposed too, so the dgrad GEMM's column-major operand
     is not copied each micro-batch: ``torch._scaled_mm`` (faked here, as on a GPU) receives
     the cache's own buffer, and it holds the forward's values."""
-    import mega_tp_layers.fp8 as fp8_module
+    import mega_tp_layers.fp8_gemm as fp8_gemm
 
     seen: list[Tensor] = []
 
@@ -275,7 +275,7 @@ def test_the_dgrad_takes_the_cached_column_major_copy(monkeypatch: pytest.Monkey
         out = (a.float() @ b.float()) * (kwargs["scale_a"] * kwargs["scale_b"])
         return out.to(kwargs["out_dtype"])
 
-    monkeypatch.setattr(fp8_module, "fp8_gemm_supported", lambda device: True)
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_supported", lambda device: True)
     monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
     recipe = Fp8Recipe(emulate=False, cache_weights=True)
     layer = _Linear(recipe, _randn(FFN, H, seed=19))
@@ -336,8 +336,21 @@ W8 = Fp8Tensor(torch.zeros(16, 32, dtype=torch.float8_e4m3fn), torch.ones(()))
             ),
             r"Fp8WeightCache holds a weight of shape \(16, 16\), got \(16, 32\)",
         ),
+        (
+            lambda: Fp8WeightCache((16, 16), torch.bfloat16),
+            r"^Fp8WeightCache dtype \(torch.bfloat16\) is not an fp8 format; use the recipe's",
+        ),
     ],
-    ids=["not-bool", "row", "overlap", "shape", "row-recipe", "no-recipe", "cache-shape"],
+    ids=[
+        "not-bool",
+        "row",
+        "overlap",
+        "shape",
+        "row-recipe",
+        "no-recipe",
+        "cache-shape",
+        "cache-dtype",
+    ],
 )
 def test_bad_input_raises_one_sentence(build: Any, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern) as info:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from mega_tp_layers.fp8 import Fp8Tensor, fp8_quantize
+from mega_tp_layers.fp8_gemm import FP8_DTYPES, Fp8Tensor, fp8_quantize
 
 if TYPE_CHECKING:
     from mega_tp_layers.fp8 import Fp8Recipe
@@ -54,6 +54,11 @@ class Fp8WeightCache(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        if dtype not in FP8_DTYPES:
+            raise ValueError(
+                f"Fp8WeightCache dtype ({dtype}) is not an fp8 format; use the recipe's "
+                "fwd_dtype (torch.float8_e4m3fn or torch.float8_e5m2)"
+            )
         self.fp8_dtype = dtype
         # not persistent: a checkpoint holds the weight, the cache is rebuilt from it
         self.register_buffer("data", torch.zeros(shape, dtype=dtype, device=device), False)
