@@ -625,6 +625,18 @@ SUITES["fp8loss1"] = [
     ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/l-bf16 /tmp/runs/l-fp8d1"),
 ]  # fmt: skip
 
+# target 1's untried lever: Inductor's max-autotune (Triton GEMM templates benchmarked
+# against cuBLAS, pointwise epilogues - SwiGLU, residual adds - fused into a template that
+# wins), bf16 1b-bench beside the default mode in one call; then target 3 on the H200
+# (deepseek-3b, 8 micro-batches a step, fused expert gradients) (~450 s)
+_BF16 = f"{_STEP} --size 1b-bench --mb 8 --compile --steps 6 --warmup 3"
+SUITES["s13"] = [
+    ("mega compile bf16", 60, _BF16),
+    ("mega compile bf16 max-autotune", 330,
+     f"{_BF16} --set train.compile_mode=max-autotune-no-cudagraphs --tag autotune"),
+    ("deepseek-3b accum 8", 170, _DEEPSEEK8),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
