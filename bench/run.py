@@ -637,6 +637,18 @@ SUITES["s13"] = [
     ("deepseek-3b accum 8", 170, _DEEPSEEK8),
 ]  # fmt: skip
 
+# target 3 on the H200, then target 2's numerics in the same call, trimmed to fit one call:
+# bf16, delayed (history 16, the overshoot logged) and the fast candidate (recording one
+# step in 8, margin 1), 200 trainer steps each, compared (~590 s)
+SUITES["s13b"] = [
+    ("deepseek-3b accum 8", 170, _DEEPSEEK8),
+    SUITES["s12c"][0],
+    SUITES["s12c"][3],
+    SUITES["s12c"][1],
+    ("compare", 20, SUITES["s12c"][4][2].replace(" /tmp/runs/l-fp8dm1 ", " ")
+     .replace("for r in l-fp8d l-fp8dm1;", "for r in l-fp8d l-fp8di8;")),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
