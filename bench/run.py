@@ -632,6 +632,8 @@ SUITES["fp8loss1"] = [
 _BF16 = f"{_STEP} --size 1b-bench --mb 8 --compile --steps 6 --warmup 3"
 SUITES["s13"] = [
     ("mega compile bf16", 60, _BF16),
+    # every kernel of the bf16 step into $OUT: what the 9.9 ms of copies are
+    ("profile bf16", 90, f"{_STEP} --size 1b-bench --mb 8 --compile --steps 4 --warmup 3 --profile 3"),
     ("mega compile bf16 max-autotune", 330,
      f"{_BF16} --set train.compile_mode=max-autotune-no-cudagraphs --tag autotune"),
     ("deepseek-3b accum 8", 170, _DEEPSEEK8),
