@@ -47,7 +47,7 @@ from mega_tp_layers import (
     shard_tensor,
     update_fp8_amax_histories,
 )
-from mega_tp_layers.fp8_delayed import fused_amax
+from mega_tp_layers.fp8_delayed import opaque_amax
 from mega_tp_layers.fp8_scaling import check_fp8_layout
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -248,18 +248,18 @@ def test_history_keeps_the_last_n_steps() -> None:
 @pytest.mark.parametrize("shape", [(), (5,), (7, 3), (4, 2, 9)], ids=["0d", "1d", "2d", "3d"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recorded_amax_is_the_whole_tensor_max(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """The opaque operator and the fusable rows-first form: both the value of one max over
+    """The fusable rows-first form and the opaque operator: both the value of one max over
     every element (a max rounds nothing), as a 0-d fp32 tensor, with no gradient; and the
     operator's fake (meta) result has that shape and dtype for the compiler."""
     x = _randn(*(shape or (1,)), seed=11, scale=3.0).reshape(shape).to(dtype).requires_grad_()
     x[(0,) * len(shape)].detach().fill_(
         -20.0
     )  # the largest magnitude (randn x 3 stays below), negative
-    for amax in (recorded_amax, fused_amax):
+    for amax in (recorded_amax, opaque_amax):
         got = amax(x)
         assert got.dtype == torch.float32 and got.dim() == 0 and not got.requires_grad
         assert torch.equal(got, x.detach().abs().amax().float()) and float(got) == 20.0
-    fake = recorded_amax(torch.empty(shape, dtype=dtype, device="meta"))
+    fake = opaque_amax(torch.empty(shape, dtype=dtype, device="meta"))
     assert fake.shape == () and fake.dtype == torch.float32
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "delayed_for",
     "discard_fp8_amaxes",
     "fp8_amax_histories",
+    "opaque_amax",
     "recorded_amax",
     "refresh_fp8_amax_histories",
     "set_fp8_amax_recording",
@@ -81,22 +82,21 @@ def _(t: Tensor) -> Tensor:
 
 
 def recorded_amax(t: Tensor) -> Tensor:
-    """``|t|``'s max as a 0-d fp32 tensor (exact: a max rounds nothing), computed by an
-    operator ``torch.compile`` cannot see into: one read of ``t`` by its own reduction
-    kernel. Inductor would otherwise fuse the reduction into the kernel producing ``t`` (a
-    norm's, SwiGLU's backward), and on an H100 such fused kernels ran delayed scaling ~23 ms
-    a step above the fixed-scale bound at ``1b-bench`` (``bench/RESULTS.md``, 2026-12-06);
-    kept apart, the producer fuses the delayed cast as the bound does and the reduction is a
-    bandwidth-bound read. :func:`fused_amax` is the fusable form, for the A/B."""
-    amax: Tensor = _abs_max(t.detach())
-    return amax
-
-
-def fused_amax(t: Tensor) -> Tensor:
-    """``|t|``'s max reduced over the last dim first, in ops ``torch.compile`` fuses into
-    the producing kernel (the form delayed scaling recorded with until 2026-12-06)."""
+    """``|t|``'s max as a 0-d fp32 tensor (exact: a max rounds nothing), reduced over the
+    last dim first, in ops ``torch.compile`` fuses into the kernel producing ``t`` (a
+    norm's, SwiGLU's backward): the form delayed scaling records with. On one H100
+    (2026-12-07, ``bench/RESULTS.md``) it ran the ``1b-bench`` step in 230.6 ms against
+    238.4 ms for :func:`opaque_amax`, the reduction kept apart as its own kernel."""
     rows = t.detach().abs().amax(dim=-1) if t.dim() > 0 else t.detach().abs()
     return rows.amax().float()
+
+
+def opaque_amax(t: Tensor) -> Tensor:
+    """``|t|``'s max as :func:`recorded_amax` gives it, computed by an operator
+    ``torch.compile`` cannot see into (one reduction kernel reading ``t`` once), for the
+    A/B against the fused form (``bench/fp8_delayed_parts.py --part opaque-record``)."""
+    amax: Tensor = _abs_max(t.detach())
+    return amax
 
 
 class Fp8Delayed(NamedTuple):
