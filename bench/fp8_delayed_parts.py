@@ -13,7 +13,9 @@ scaling (no history) with its amaxes reduced over rows first (``recorded_amax``;
 slower than the whole-tensor max, 2026-12-06). ``--part opaque-amax``: current scaling with
 its amaxes taken by an opaque reduction (``opaque_amax``). ``--part opaque-record``: delayed
 scaling recording through that opaque reduction (its default from 2026-12-06 until it
-measured 3 % slower than the fusable form on 2026-12-07).
+measured 3 % slower than the fusable form on 2026-12-07). ``--part opaque-transpose``: the
+weight-gradient GEMMs' transposed fp8 copies made by ``mega_tp_layers.fp8_transpose``'s
+tiled kernel, an operator the compiler cannot fuse into the casting kernels (any scaling).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from torch.distributed import ProcessGroup
 import mega_tp_layers.column_parallel as column_parallel
 import mega_tp_layers.fp8 as fp8
 import mega_tp_layers.fp8_delayed as delayed
+import mega_tp_layers.fp8_gemm as fp8_gemm
+import mega_tp_layers.fp8_transpose as fp8_transpose
 
 
 def _no_record(self: delayed.Fp8AmaxHistory, x: Tensor) -> delayed.Fp8Delayed:
@@ -68,13 +72,23 @@ if __name__ == "__main__":
     rest = [
         a for i, a in enumerate(sys.argv[1:], 1) if a != "--part" and sys.argv[i - 1] != "--part"
     ]
-    parts = ("no-record", "no-probe", "rows-amax", "opaque-amax", "opaque-record")
+    parts = (
+        "no-record",
+        "no-probe",
+        "rows-amax",
+        "opaque-amax",
+        "opaque-record",
+        "opaque-transpose",
+    )
     if part not in parts:
         raise SystemExit(f"--part {part!r}: use one of {', '.join(parts)}")
     if part == "rows-amax":  # looked up at call time, as bench/fp8_fixed_scale.py does
         fp8.fp8_quantize = _quantize_by(delayed.recorded_amax)
     elif part == "opaque-amax":
         fp8.fp8_quantize = _quantize_by(delayed.opaque_amax)
+    elif part == "opaque-transpose":  # looked up by scaled_gemm at call time
+        fp8_gemm.row_major = fp8_transpose.row_major_by_kernel
+        fp8_gemm.col_major = fp8_transpose.col_major_by_kernel
     elif part == "opaque-record":  # delayed scaling recording as it did 2026-12-06 … 07
         for module in (fp8, column_parallel, delayed):
             module.recorded_amax = delayed.opaque_amax  # type: ignore[attr-defined]

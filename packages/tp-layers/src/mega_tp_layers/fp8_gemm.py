@@ -26,10 +26,12 @@ __all__ = [
     "FP8_ALIGNMENT",
     "FP8_DTYPES",
     "Fp8Tensor",
+    "col_major",
     "fp8_gemm_fits",
     "fp8_gemm_supported",
     "fp8_quantize",
     "fp8_quantize_by_amax",
+    "row_major",
     "scaled_gemm",
     "warn_unaligned",
 ]
@@ -102,6 +104,18 @@ def fp8_quantize_by_amax(
     return Fp8Tensor(data, scale.reciprocal())
 
 
+def row_major(t: Tensor) -> Tensor:
+    """``t`` as a row-major tensor (itself when it is one); looked up by :func:`scaled_gemm`
+    at call time (``bench/fp8_delayed_parts.py --part opaque-transpose`` swaps in
+    :func:`mega_tp_layers.fp8_transpose.row_major_by_kernel`)."""
+    return t.contiguous()
+
+
+def col_major(t: Tensor) -> Tensor:
+    """``t`` as a column-major tensor of the same shape (itself when it is one)."""
+    return t.t().contiguous().t()
+
+
 def scaled_gemm(
     a: Fp8Tensor,
     b: Fp8Tensor,
@@ -124,9 +138,9 @@ def scaled_gemm(
             f"for torch._scaled_mm, but the tensors are on {device}; use emulate=None (auto)"
         )
     # _scaled_mm wants a row-major, b column-major: both copies are no-ops when already so
-    b_data = b.col_major if b.col_major is not None else b.data.t().contiguous().t()
+    b_data = b.col_major if b.col_major is not None else col_major(b.data)
     out: Tensor = torch._scaled_mm(
-        a.data.contiguous(),
+        row_major(a.data),
         b_data,
         scale_a=a.inv_scale,
         scale_b=b.inv_scale,
