@@ -652,6 +652,35 @@ SUITES["s13b"] = [
      .replace("for r in l-fp8d l-fp8dm1;", "for r in l-fp8d l-fp8di8;")),
 ]  # fmt: skip
 
+# what the thirteenth session owes, one GPU (~480 s): the transposed fp8 copies made by a
+# tiled kernel the compiler cannot fuse (fp8_delayed_parts --part opaque-transpose) against
+# Inductor's fused transposed stores, under delayed scaling with the recording interval
+# (the fastest FP8 so far) and under current scaling, beside bf16; then Inductor's generated
+# code of the delayed step, gzipped into $OUT, to read what each slow kernel computes
+_INTERVAL8 = f"{_DELAYED} --set train.fp8_amax_interval=8 --steps 16 --warmup 8"
+SUITES["owed13"] = [
+    ("mega compile bf16", 60, _BF16),
+    ("fp8 delayed interval 8", 90, _INTERVAL8),
+    ("fp8 delayed interval 8 opaque transpose", 100,
+     f"{_PARTS} --part opaque-transpose {_FP8} --set train.fp8_amax_history=16 "
+     "--set train.fp8_amax_interval=8 --steps 16 --warmup 8"),
+    ("fp8 current", 60, f"{_STEP} {_FP8} --steps 6 --warmup 3"),
+    ("fp8 current opaque transpose", 70,
+     f"{_PARTS} --part opaque-transpose {_FP8} --steps 6 --warmup 3"),
+    ("fp8 output code", 120,
+     f"TORCH_LOGS=output_code {_DELAYED} --set train.fp8_amax_interval=8 --steps 2 --warmup 2 "
+     "2>&1 | gzip > $OUT/fp8_output_code.log.gz; ls -la $OUT/fp8_output_code.log.gz"),
+]  # fmt: skip
+
+# delayed scaling's loss with a margin of 2 (covers the 4x gradient growth s12c's log showed)
+# and the recording interval, beside bf16, 200 trainer steps each (~300 s)
+SUITES["s13c"] = [
+    SUITES["s12c"][0],
+    ("loss fp8 delayed interval 8 margin 2", 140, _loss_run(
+        "l-fp8di8m2", f"{_DELAYED_LOSS} --train.fp8_amax_margin 2 --train.fp8_amax_interval 8")),
+    ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/l-bf16 /tmp/runs/l-fp8di8m2"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
