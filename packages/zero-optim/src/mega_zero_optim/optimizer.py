@@ -15,6 +15,7 @@ from mega_zero_optim.bucket import Bucket
 from mega_zero_optim.buffer import ParamAndGradBuffer
 from mega_zero_optim.clip import clip_coefficient, counts_in_norm, global_grad_norm
 from mega_zero_optim.ddp import DistributedDataParallel
+from mega_zero_optim.flat_adamw import FlatAdamW, FlatShard, check_flat_fused
 from mega_zero_optim.host_update import HostUpdate, ShardStep, register_upload_hooks
 from mega_zero_optim.memory import MemoryReport
 from mega_zero_optim.offload import HostShard, Offloader
@@ -101,6 +102,13 @@ class DistributedOptimizer:
     :meth:`load_state_dict`, :meth:`reload_model_params`, :meth:`memory_report`); call
     :meth:`wait` before reading the parameters outside a forward (or at the end of training).
     An update that fails raises its RuntimeError at the next wait.
+
+    ``flat_fused`` (AdamW or Adam, on the device): each shard is stepped by one streaming
+    pass per run of adjacent pieces in one param group, which also rounds the masters into
+    the bf16/fp16 parameter shard (no separate write-back); the moments live in flat
+    buffers, viewed by the optimizer's state, so state dicts are unchanged. A Triton kernel
+    on CUDA, torch ops elsewhere (see :mod:`mega_zero_optim.flat_adamw`). Off by default:
+    the kernel has been tested on CPU in Triton's interpreter only, not yet run on a GPU.
     """
 
     def __init__(
@@ -114,6 +122,7 @@ class DistributedOptimizer:
         overlap_param_gather: bool = False,
         optimizer_offload: bool = False,
         overlap_host_update: bool = False,
+        flat_fused: bool = False,
     ) -> None:
         ddps = [ddp] if isinstance(ddp, DistributedDataParallel) else list(ddp)
         if overlap_host_update and not optimizer_offload:
@@ -136,6 +145,14 @@ class DistributedOptimizer:
             raise ValueError(
                 f"the optimizer already holds state for {len(optimizer.state)} parameters; wrap "
                 "it in DistributedOptimizer before its first step"
+            )
+        if flat_fused:
+            buffers = [b for d in ddps for b in d.param_and_grad_buffers]
+            check_flat_fused(
+                optimizer,
+                param_dtypes=[b.param_dtype for b in buffers],
+                grad_dtypes=[b.grad_dtype for b in buffers],
+                optimizer_offload=optimizer_offload,
             )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(
@@ -177,6 +194,7 @@ class DistributedOptimizer:
             self._pieces += mine
             group["params"] = [piece.master for piece in mine]
         self._piece_of = {id(piece.master): piece for piece in self._pieces}
+        self._flat = FlatAdamW(optimizer, self._flat_shards()) if flat_fused else None
         self._hook_handles: list[Any] = []
         if self._host_update is not None:
             self._arm_gates(self._host_update)
@@ -243,6 +261,20 @@ class DistributedOptimizer:
                     mine.append(id(into[-1].master))
                 shard.masters = frozenset(mine)
         return found
+
+    def _flat_shards(self) -> list[FlatShard]:
+        stepped = [{id(p.master) for p in self._pieces} & s.masters for s in self._shards]
+        return [
+            FlatShard(
+                master=s.master,
+                grad=s.bucket.grad_shard,
+                low_precision=None
+                if s.master.dtype == s.bucket.param_shard.dtype
+                else (s.bucket.param_shard),
+                pieces=tuple(p.master for p in self._pieces if id(p.master) in mine),
+            )
+            for s, mine in zip(self._shards, stepped, strict=True)
+        ]
 
     def _arm_gates(self, host_update: HostUpdate) -> None:
         """overlap_host_update: every bucket's gather waits for its shard's upload; at dp 1
@@ -323,16 +355,18 @@ class DistributedOptimizer:
         coefficient = 1.0
         if self.max_grad_norm is not None:
             coefficient = clip_coefficient(norm, self.max_grad_norm)
-        if coefficient < 1.0 and self._fused:
+        if coefficient < 1.0 and self._flat is None and self._fused:
             # the fused kernel divides each gradient by grad_scale as it reads it: clipping
             # costs no extra pass over the gradients
             self.optimizer.grad_scale = torch.tensor(  # type: ignore[attr-defined]
                 1.0 / coefficient, dtype=torch.float32, device=self._state_device
             )
-        elif coefficient < 1.0:
+        elif coefficient < 1.0 and self._flat is None:
             torch._foreach_mul_(grads, coefficient)
         try:
-            if self._offloader is None:
+            if self._flat is not None:
+                self._step_flat(self._flat, coefficient, scale)
+            elif self._offloader is None:
                 self.optimizer.step()
             else:
                 self._step_offloaded(self._offloader)
@@ -342,10 +376,18 @@ class DistributedOptimizer:
         if self._host_update is not None:  # the worker drops the gradients; gathers on use
             return StepResult(True, norm, scale)
         self._drop_grads()
-        if self._offloader is None:
+        if self._offloader is None and self._flat is None:  # the flat step wrote them
             self._write_back()
         self._gather_params(wait=not self.overlap_param_gather)
         return StepResult(True, norm, scale)
+
+    def _step_flat(self, flat: FlatAdamW, coefficient: float, scale: float | None) -> None:
+        """Step every shard, the gradients multiplied as read: by the clip coefficient, and
+        by 1/loss scale for bf16/fp16 gradient shards (the fp32 ones were unscaled in place
+        above: their pieces' grads are views of them; the others' are copies)."""
+        unscale = 1.0 if scale is None else 1.0 / scale
+        low = [shard.grad.dtype != torch.float32 for shard in flat.shards]
+        flat.step([coefficient * unscale if x else coefficient for x in low])
 
     def _write_back(self) -> None:
         """Copy the masters into the parameter shards (nothing for fp32 on the device)."""
@@ -537,6 +579,8 @@ class DistributedOptimizer:
         for i, group in enumerate(self.optimizer.param_groups):
             saved = saved_groups[_saved_group_of(self._group_names[i], saved_groups, i)]
             group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        if self._flat is not None:  # the loaded moments into the flat buffers
+            self._flat.rebind()
         self.num_steps = int(shards[0]["num_steps"])
         if self.loss_scaler is not None and shards[0]["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(shards[0]["loss_scaler"])
