@@ -681,6 +681,14 @@ SUITES["s13c"] = [
     ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/l-bf16 /tmp/runs/l-fp8di8m2"),
 ]  # fmt: skip
 
+# target 3: deepseek-3b at 8 micro-batches, then its profile (kernel time against step time:
+# whether the 29.6 % of two H100s that ran the dense step at the usual speed is the host's
+# launch rate, as their slow mb 1 x 8 FP8 lines suggest) (~330 s)
+SUITES["s13d"] = [
+    ("deepseek-3b accum 8", 170, _DEEPSEEK8),
+    ("profile deepseek-3b accum 8", 170, f"{_DEEPSEEK8} --profile 1"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
