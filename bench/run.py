@@ -652,7 +652,8 @@ SUITES["s13b"] = [
      .replace("for r in l-fp8d l-fp8dm1;", "for r in l-fp8d l-fp8di8;")),
 ]  # fmt: skip
 
-# what the thirteenth session owes, one GPU (~480 s): the transposed fp8 copies made by a
+# what the thirteenth session owes, one GPU (~520 s): the flat AdamW kernel beside torch's,
+# the transposed fp8 copies made by a
 # tiled kernel the compiler cannot fuse (fp8_delayed_parts --part opaque-transpose) against
 # Inductor's fused transposed stores, under delayed scaling with the recording interval
 # (the fastest FP8 so far) and under current scaling, beside bf16; then Inductor's generated
@@ -660,6 +661,8 @@ SUITES["s13b"] = [
 _INTERVAL8 = f"{_DELAYED} --set train.fp8_amax_interval=8 --steps 16 --warmup 8"
 SUITES["owed13"] = [
     ("mega compile bf16", 60, _BF16),
+    # AdamW and the bf16 write-back in one flat Triton kernel per shard run (predicted ~-6 ms)
+    ("mega compile bf16 flat optimizer", 60, f"{_BF16} --set train.optimizer_kernel=flat"),
     ("fp8 delayed interval 8", 90, _INTERVAL8),
     ("fp8 delayed interval 8 opaque transpose", 100,
      f"{_PARTS} --part opaque-transpose {_FP8} --set train.fp8_amax_history=16 "

@@ -189,6 +189,7 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         # the host update overlaps the next forward, unless a stage reads a weight outside
         # the module whose pre-hook waits for it (a tied weight split over pp)
         overlap_host_update=p.optimizer_offload and not tied_across_stages,
+        flat_fused=t.optimizer_kernel == "flat",
     )  # fmt: skip
     return Built(
         chunks, ddp, optimizer, rng, expert_ddp, packing_for(config),

@@ -120,6 +120,16 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
         raise ValueError(f"train.fp8_weight_cache ({t.fp8_weight_cache!r}) must be true or false")
     if t.fp8_weight_cache:
         _check_fp8_weight_cache(config)
+    if t.optimizer_kernel not in ("torch", "flat"):
+        raise ValueError(
+            f"train.optimizer_kernel ({t.optimizer_kernel!r}) must be 'torch' or 'flat'"
+        )
+    if t.optimizer_kernel == "flat" and p.optimizer_offload:
+        raise ValueError(
+            "train.optimizer_kernel 'flat' updates the shards on the device, but "
+            "parallel.optimizer_offload true updates them on the host; use "
+            "optimizer_kernel 'torch' or turn the offload off"
+        )
     check_compile_mode(config, model)  # train.compile_mode (CUDA graphs)
     precision = resolve_precision(t.precision)
     if t.fp8_recipe != "tensor" and not t.fp8:
