@@ -173,7 +173,7 @@ class DistPool:
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
         *,
-        timeout: float = 120.0,
+        timeout: float | None = None,
         seed: int = 1234,
     ) -> list[T]:
         """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
@@ -181,8 +181,13 @@ class DistPool:
         Raises :class:`RankFailedError` with the failing rank's traceback if any rank
         raises or dies, and :class:`RankTimeoutError` naming the unfinished ranks if the
         call does not finish within ``timeout`` seconds; in both cases the workers of
-        that world size are replaced, so the next call starts clean.
+        that world size are replaced, so the next call starts clean. The default timeout,
+        a hang detector (it bounds no result), grows with the ranks sharing the machine's
+        cores: ``max(120, 60 + 30 * world_size)`` s (8-rank calls ran past 120 s on a
+        loaded 2-core machine, 2026-12-07).
         """
+        if timeout is None:
+            timeout = max(120.0, 60.0 + 30.0 * world_size)
         module = getattr(fn, "__module__", None)
         qualname = getattr(fn, "__qualname__", "")
         if module is None or "<locals>" in qualname or "<lambda>" in qualname:
