@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import NoReturn, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["ShardMetadata", "clip_coefficient", "counts_in_norm", "global_grad_norm"]
+__all__ = [
+    "ShardMetadata",
+    "clip_coefficient",
+    "counts_in_norm",
+    "global_grad_norm",
+    "raise_nonfinite",
+]
 
 
 @runtime_checkable
@@ -60,3 +66,33 @@ def global_grad_norm(
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """The factor ``torch.nn.utils.clip_grad_norm_`` would scale gradients by (at most 1)."""
     return min(max_norm / (total_norm + 1e-6), 1.0)
+
+
+def raise_nonfinite(
+    grads: Sequence[tuple[str, torch.Tensor | None]],
+    norm: float,
+    step: int,
+    group: ProcessGroup | None,
+) -> NoReturn:
+    """Raise FloatingPointError naming the first of ``grads`` (name, gradient) holding nan
+    or inf, agreed on by every rank of ``group`` (collective over it)."""
+    bad = next((n for n, g in grads if g is not None and not g.isfinite().all()), None)
+    world = dist.get_world_size(group)
+    found: list[str | None] = [bad]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, bad, group=group)
+    where = [(r, n) for r, n in enumerate(found) if n is not None]
+    if not where:
+        raise FloatingPointError(
+            f"step {step}: the global gradient norm is {norm} although no gradient "
+            "element is non-finite (the sum of squares overflowed); lower the loss scale or "
+            "the learning rate"
+        )
+    rank, name = where[0]
+    others = f" and on {len(where) - 1} other ranks" if len(where) > 1 else ""
+    raise FloatingPointError(
+        f"step {step}: the gradient of {name!r} holds nan or inf (found on rank "
+        f"{rank} of the gradient-norm group{others}); check the data and the learning rate, "
+        "or train fp16 with a DynamicLossScaler"
+    )

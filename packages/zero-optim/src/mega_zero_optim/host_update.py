@@ -43,7 +43,7 @@ from torch import nn
 from mega_zero_optim.offload import HostShard, Offloader
 from mega_zero_optim.param_gate import Gatherable
 
-__all__ = ["HostUpdate", "ShardStep", "register_upload_hooks"]
+__all__ = ["HostUpdate", "ShardStep", "optimizer_view", "register_upload_hooks"]
 
 
 @dataclass
@@ -236,3 +236,21 @@ def register_upload_hooks(
 
             handles.append(sub.register_forward_pre_hook(hook))
     return handles
+
+
+def optimizer_view(
+    optimizer: torch.optim.Optimizer, masters: frozenset[int]
+) -> torch.optim.Optimizer:
+    """A view of ``optimizer`` stepping only the tensors whose ids are in ``masters``,
+    sharing its state, with the hyperparameters as they are now (the update is elementwise,
+    so stepping a shard's pieces apart is the same update); the optimizer's own param
+    groups are never swapped under a reader (an LR schedule)."""
+    subset = [
+        {**g, "params": [m for m in g["params"] if id(m) in masters]}
+        for g in optimizer.param_groups
+    ]
+    view = object.__new__(type(optimizer))
+    # every attribute but an instance-level step (an LR scheduler's wrapper of it)
+    view.__dict__.update({k: v for k, v in vars(optimizer).items() if k != "step"})
+    view.param_groups = [g for g in subset if g["params"]]
+    return view

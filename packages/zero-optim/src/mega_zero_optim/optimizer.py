@@ -13,17 +13,34 @@ from torch.distributed import ProcessGroup
 
 from mega_zero_optim.bucket import Bucket
 from mega_zero_optim.buffer import ParamAndGradBuffer
-from mega_zero_optim.clip import clip_coefficient, counts_in_norm, global_grad_norm
+from mega_zero_optim.clip import (
+    clip_coefficient,
+    counts_in_norm,
+    global_grad_norm,
+    raise_nonfinite,
+)
 from mega_zero_optim.ddp import DistributedDataParallel
 from mega_zero_optim.flat_adamw import FlatAdamW, FlatShard, check_flat_fused
-from mega_zero_optim.host_update import HostUpdate, ShardStep, register_upload_hooks
+from mega_zero_optim.host_update import (
+    HostUpdate,
+    ShardStep,
+    optimizer_view,
+    register_upload_hooks,
+)
 from mega_zero_optim.memory import MemoryReport
 from mega_zero_optim.offload import HostShard, Offloader
 from mega_zero_optim.scaler import DynamicLossScaler
 from mega_zero_optim.shard_range import Range, owned_pieces
 from mega_zero_optim.sharded_bucket import ShardedBucket
 from mega_zero_optim.sharded_buffer import ShardedBuffer
-from mega_zero_optim.state import FORMAT, assemble_piece, check_shards
+from mega_zero_optim.state import (
+    FORMAT,
+    assemble_piece,
+    check_shards,
+    group_entries,
+    piece_entry,
+    restore_groups,
+)
 
 __all__ = ["DistributedOptimizer", "StepResult"]
 
@@ -396,18 +413,8 @@ class DistributedOptimizer:
                 shard.bucket.param_shard.copy_(shard.master)
 
     def _shard_step(self, shard: _Shard) -> ShardStep:
-        """One shard's host update (the update is elementwise, so stepping the pieces shard
-        by shard is the same update): it steps a view of the optimizer over the shard's
-        pieces, sharing its state, with the hyperparameters as they are now; the
-        optimizer's param groups are never swapped under a reader (an LR schedule)."""
-        subset = [
-            {**g, "params": [m for m in g["params"] if id(m) in shard.masters]}
-            for g in self.optimizer.param_groups
-        ]
-        view = object.__new__(type(self.optimizer))
-        # every attribute but an instance-level step (an LR scheduler's wrapper of it)
-        view.__dict__.update({k: v for k, v in vars(self.optimizer).items() if k != "step"})
-        view.param_groups = [g for g in subset if g["params"]]
+        """One shard's host update: a view of the optimizer over the shard's pieces."""
+        view = optimizer_view(self.optimizer, shard.masters)
         assert shard.host is not None
         masters = [m for g in view.param_groups for m in g["params"]]
         return ShardStep(shard.bucket, shard.host, view, masters)
@@ -473,33 +480,8 @@ class DistributedOptimizer:
 
     def _raise_nonfinite(self, norm: float) -> NoReturn:
         """Name the first parameter with a non-finite gradient, agreed on by every rank."""
-        bad = next(
-            (
-                p.name
-                for p in self._pieces
-                if p.master.grad is not None and not p.master.grad.isfinite().all()
-            ),
-            None,
-        )
-        world = dist.get_world_size(self.grad_norm_group)
-        found: list[str | None] = [bad]
-        if world > 1:
-            found = [None] * world
-            dist.all_gather_object(found, bad, group=self.grad_norm_group)
-        where = [(r, n) for r, n in enumerate(found) if n is not None]
-        if not where:
-            raise FloatingPointError(
-                f"step {self.num_steps}: the global gradient norm is {norm} although no gradient "
-                "element is non-finite (the sum of squares overflowed); lower the loss scale or "
-                "the learning rate"
-            )
-        rank, name = where[0]
-        others = f" and on {len(where) - 1} other ranks" if len(where) > 1 else ""
-        raise FloatingPointError(
-            f"step {self.num_steps}: the gradient of {name!r} holds nan or inf (found on rank "
-            f"{rank} of the gradient-norm group{others}); check the data and the learning rate, "
-            "or train fp16 with a DynamicLossScaler"
-        )
+        grads = [(p.name, p.master.grad) for p in self._pieces]
+        raise_nonfinite(grads, norm, self.num_steps, self.grad_norm_group)
 
     # state -------------------------------------------------------------------------------
 
@@ -519,18 +501,8 @@ class DistributedOptimizer:
         }
         for piece in self._pieces:
             state = self.optimizer.state.get(piece.master, {})
-            params[piece.name]["pieces"].append(
-                {
-                    "start": piece.in_param.start,
-                    "end": piece.in_param.end,
-                    "master": piece.master.detach().clone(),
-                    "state": {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
-                }
-            )
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "param_names": names}
-            for g, names in zip(self.optimizer.param_groups, self._group_names, strict=True)
-        ]
+            params[piece.name]["pieces"].append(piece_entry(piece.in_param, piece.master, state))
+        groups = group_entries(self.optimizer.param_groups, self._group_names)
         first = self.ddps[0] if self.ddps else None
         return {
             "format": FORMAT,
@@ -575,10 +547,7 @@ class DistributedOptimizer:
                     if value.dim() == 0:
                         piece_state[key] = value.to(master.device if on_device else "cpu")
                 self.optimizer.state[master] = piece_state
-        saved_groups = shards[0]["param_groups"]
-        for i, group in enumerate(self.optimizer.param_groups):
-            saved = saved_groups[_saved_group_of(self._group_names[i], saved_groups, i)]
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        restore_groups(self.optimizer.param_groups, self._group_names, shards[0]["param_groups"])
         if self._flat is not None:  # the loaded moments into the flat buffers
             self._flat.rebind()
         self.num_steps = int(shards[0]["num_steps"])
@@ -609,17 +578,3 @@ class DistributedOptimizer:
             state_bytes=0 if offloaded else state_bytes,
             host_bytes=host + (state_bytes if offloaded else 0),
         )
-
-
-def _saved_group_of(
-    names: Sequence[str], saved_groups: Sequence[Mapping[str, Any]], index: int
-) -> int:
-    """The saved parameter group holding ``names`` (a group's hyperparameters follow its
-    parameters, not its position); the same position when no saved group holds them all,
-    e.g. for a group of no parameters or a state resharded from another layout."""
-    wanted = set(names)
-    if wanted:
-        for j, saved in enumerate(saved_groups):
-            if wanted <= set(saved.get("param_names", ())):
-                return j
-    return index

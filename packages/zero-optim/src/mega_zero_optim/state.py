@@ -16,7 +16,15 @@ import torch
 
 from mega_zero_optim.shard_range import Range
 
-__all__ = ["FORMAT", "assemble_piece", "check_shards"]
+__all__ = [
+    "FORMAT",
+    "assemble_piece",
+    "check_shards",
+    "group_entries",
+    "piece_entry",
+    "restore_groups",
+    "saved_group_of",
+]
 
 #: Format tag of a shard; bumped when the layout of the dict changes.
 FORMAT = "mega_zero_optim.sharded/1"
@@ -104,3 +112,50 @@ def assemble_piece(
                 "every dp rank, each once"
             )
     return master, state
+
+
+def piece_entry(in_param: Range, master: torch.Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a shard saves of one piece: its range of the flattened parameter, a copy of its
+    master values and its optimizer state's tensors."""
+    return {
+        "start": in_param.start,
+        "end": in_param.end,
+        "master": master.detach().clone(),
+        "state": {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
+    }
+
+
+def group_entries(
+    param_groups: Sequence[Mapping[str, Any]], group_names: Sequence[Sequence[str]]
+) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters with the names of its parameters (not the
+    tensors), so a load finds a group by what it holds."""
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "param_names": list(names)}
+        for g, names in zip(param_groups, group_names, strict=True)
+    ]
+
+
+def restore_groups(
+    param_groups: Sequence[dict[str, Any]],
+    group_names: Sequence[Sequence[str]],
+    saved_groups: Sequence[Mapping[str, Any]],
+) -> None:
+    """Set each param group's hyperparameters from the saved group holding its parameters."""
+    for i, group in enumerate(param_groups):
+        saved = saved_groups[saved_group_of(group_names[i], saved_groups, i)]
+        group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+
+
+def saved_group_of(
+    names: Sequence[str], saved_groups: Sequence[Mapping[str, Any]], index: int
+) -> int:
+    """The saved parameter group holding ``names`` (a group's hyperparameters follow its
+    parameters, not its position); the same position when no saved group holds them all,
+    e.g. for a group of no parameters or a state resharded from another layout."""
+    wanted = set(names)
+    if wanted:
+        for j, saved in enumerate(saved_groups):
+            if wanted <= set(saved.get("param_names", ())):
+                return j
+    return index
