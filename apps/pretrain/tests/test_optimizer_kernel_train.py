@@ -14,6 +14,8 @@ bf16 (whose parameters the flat kernel writes itself) and at dp 2 under ZeRO-1 a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -142,3 +144,16 @@ def test_optimizer_kernel_config_errors(overrides: list[tuple[str, str]], patter
 def test_optimizer_kernel_names_its_values() -> None:
     with pytest.raises(ValueError, match=r"^train.optimizer_kernel \('triton'\) must be one of "):
         load_config(None, [("train.optimizer_kernel", "triton")])
+
+
+def test_optimizer_kernel_checked_when_built_in_python() -> None:
+    """A config built in Python, past the parser, is refused by the run's checks."""
+    config = load_config(None, [])
+    bad = dataclasses.replace(
+        config,
+        train=dataclasses.replace(config.train, optimizer_kernel="triton"),  # type: ignore[arg-type]
+    )
+    with pytest.raises(
+        ValueError, match=r"^train.optimizer_kernel \('triton'\) must be 'torch' or 'flat'$"
+    ):
+        check_config(bad, gpt_config(bad), world_size=1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
@@ -119,13 +120,7 @@ class _ColumnParallelMatmul(Function):
             g8 = shared_grad(grad_2d, weight.shape[1], fp8, Fp8Shard(group, 1), g_amax)  # a shard
         grad_input, pending = None, None
         if need_x:
-            if fp8 is None:
-                grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
-            else:
-                grad_input = fp8_linear_dgrad(
-                    g8, weight, fp8, out_dtype=x.dtype, weight_q=wq,
-                    g_group=Fp8Shard(group, 1), w_group=Fp8Shard(group, 0),
-                )  # fmt: skip
+            grad_input = _dgrad(grad, g8, weight, wq, fp8, group, x.dtype)
             if sp:
                 if gather is not None:
                     gather.wait()
@@ -152,6 +147,25 @@ class _ColumnParallelMatmul(Function):
             grad_input, grad_weight, grad_bias, None, None, None, None, None, probe_grad,
             None, None, None,
         )  # fmt: skip
+
+
+def _dgrad(
+    grad: Tensor,
+    g8: Tensor | Fp8Tensor,
+    weight: Tensor,
+    wq: Fp8Tensor | None,
+    fp8: Fp8Recipe | None,
+    group: ProcessGroup,
+    dtype: torch.dtype,
+) -> Tensor:
+    """The input gradient, partial over tp: ``grad @ weight`` (``[s, b, out/tp] -> [s, b, h]``),
+    or in fp8 from the shared quantised gradient ``g8`` and the forward's fp8 weight ``wq``."""
+    if fp8 is None:
+        return grad.matmul(weight)
+    return fp8_linear_dgrad(
+        g8, weight, fp8, out_dtype=dtype, weight_q=wq,
+        g_group=Fp8Shard(group, 1), w_group=Fp8Shard(group, 0),
+    )  # fmt: skip
 
 
 def _fp8_weight(
@@ -194,13 +208,7 @@ def _column_dgrad_deferring_wgrad(
         return grad_w, grad.sum(dim=0) if b_param is not None else None
 
     store.defer(wgrad, (w_param, b_param))
-    if fp8 is None:
-        grad_input = grad.matmul(weight)  # [s, b, out/tp] -> [s, b, h], partial over tp
-    else:
-        grad_input = fp8_linear_dgrad(
-            g8, weight, fp8, out_dtype=x.dtype, weight_q=wq,
-            g_group=Fp8Shard(group, 1), w_group=Fp8Shard(group, 0),
-        )  # fmt: skip
+    grad_input = _dgrad(grad, g8, weight, wq, fp8, group, x.dtype)
     if sp:
         grad_input = reduce_scatter_dim0(grad_input, group)[0]  # -> [s/tp, b, h]
     else:
