@@ -80,7 +80,9 @@ def _train(
     ddp: DistributedDataParallel,
     steps: range,
     clip: float | None = None,
-) -> None:
+) -> list[float]:
+    """Train over ``steps``; the gradient norm of each step."""
+    norms = []
     dp, rank = ddp.dp_size, dist.get_rank(ddp.dp_group)
     per = BATCH // dp
     dtype = next(ddp.module.parameters()).dtype
@@ -97,6 +99,8 @@ def _train(
         result = opt.step()
         assert result.updated
         assert clip is None or result.grad_norm > clip, "clipping must be active"
+        norms.append(result.grad_norm)
+    return norms
 
 
 def _compare(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
@@ -133,14 +137,19 @@ def _low_precision_is_rounded_master(opt: DistributedOptimizer) -> None:
 
 def _flat_equals_torch(options: dict[str, Any]) -> str:
     """Both paths from the same start over the same batches; options of :func:`_build`."""
-    states = []
+    states, norms = [], []
     for flat in (True, False):
         opt, ddp = _build(flat, **options)
-        _train(opt, ddp, range(STEPS), options.get("clip"))
+        norms.append(torch.tensor(_train(opt, ddp, range(STEPS), options.get("clip"))))
         states.append(opt.state_dict())
         if flat and options.get("dtype", torch.float32) != torch.float32:
             _low_precision_is_rounded_master(opt)
     _compare(states[0], states[1], f"flat {options}")
+    # the flat step's norm reads bf16/fp16 gradients as they are (no fp32 copies), each
+    # square summed in fp32: the same sums as the copies' norm, in another order
+    assert_close_to_reference(
+        norms[0], norms[1], reduction_length=OPS * STEPS, name=f"flat {options} grad norms"
+    )
     return "ok"
 
 

@@ -45,22 +45,49 @@ def counts_in_norm(param: torch.Tensor) -> bool:
 
 
 def global_grad_norm(
-    grads: Sequence[torch.Tensor], group: ProcessGroup | None, device: torch.device
+    grads: Sequence[torch.Tensor],
+    group: ProcessGroup | None,
+    device: torch.device,
+    *,
+    scaled: Sequence[torch.Tensor] = (),
+    unscale: float = 1.0,
 ) -> torch.Tensor:
     """The 2-norm of the gradients that all ranks of ``group`` (None: the world) hold, as fp32.
 
     Each rank passes the pieces it alone counts (its dp shard, without tp replicas), so
-    the sum of squares over the group counts every element once. Non-finite gradients
-    give a non-finite norm on every rank.
+    the sum of squares over the group counts every element once. ``scaled``: gradients
+    still multiplied by a loss scale (the bf16/fp16 shards the flat step unscales as it
+    reads them), counted times ``unscale``. Every norm is accumulated in fp32 whatever the
+    gradients' dtype. Non-finite gradients give a non-finite norm on every rank.
     """
-    if grads:
-        local = torch.nn.utils.get_total_norm(grads, 2.0).float()
+    parts = [_norm32(grads)] if grads else []
+    if scaled:
+        parts.append(_norm32(scaled) * unscale)
+    local: torch.Tensor
+    if parts:
+        local = torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]))
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
     squared = (local * local).to(device)  # host pieces (offload) reduce on the device
     if dist.get_world_size(group) > 1:
         dist.all_reduce(squared, group=group)
     return squared.sqrt()
+
+
+def _norm32(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` accumulated and returned in fp32, on the first one's device
+    (one multi-tensor pass per device and dtype; bf16 inputs are not copied)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    first = grads[0].device
+    norms = [
+        n.to(first)
+        for ts in groups.values()
+        for n in torch._foreach_norm(ts, 2.0, dtype=torch.float32)
+    ]
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    return total
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -64,6 +64,10 @@ class StepResult:
     """The loss scale used for this step's gradients, or None without a scaler."""
 
 
+def _low(grad: torch.Tensor) -> bool:
+    return grad.dtype != torch.float32
+
+
 @dataclass
 class _Piece:
     """The part of one parameter inside one owned shard, and its fp32 master view."""
@@ -350,17 +354,27 @@ class DistributedOptimizer:
             ddp.finish_grad_sync()
         if self._offloader is not None:
             self._offloader.grads_down([s.host for s in self._shards if s.host is not None])
+        # fp32 gradients are the masters' grads; bf16/fp16 ones are copied into fp32, except
+        # for the flat step, which reads them as they are (``raw``) and unscales as it reads
+        raw = {id(p) for p in self._pieces if self._flat is not None and _low(p.grad)}
         for piece in self._pieces:
-            piece.master.grad = (
-                piece.grad if piece.grad.dtype == torch.float32 else piece.grad.float()
-            )
+            if id(piece) not in raw:
+                piece.master.grad = piece.grad.float() if _low(piece.grad) else piece.grad
         grads = [piece.master.grad for piece in self._pieces if piece.master.grad is not None]
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         if scale is not None:
             for g in grads:
                 g.mul_(1.0 / scale)
         counted = [p.master.grad for p in self._pieces if p.counts and p.master.grad is not None]
-        norm = float(global_grad_norm(counted, self.grad_norm_group, self._device))
+        norm = float(
+            global_grad_norm(
+                counted,
+                self.grad_norm_group,
+                self._device,
+                scaled=[p.grad for p in self._pieces if p.counts and id(p) in raw],
+                unscale=1.0 if scale is None else 1.0 / scale,
+            )
+        )
         finite = math.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=not finite)
