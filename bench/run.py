@@ -660,6 +660,10 @@ SUITES["s13b"] = [
 # code of the delayed step, gzipped into $OUT, to read what each slow kernel computes
 _INTERVAL8 = f"{_DELAYED} --set train.fp8_amax_interval=8 --steps 16 --warmup 8"
 SUITES["owed13"] = [
+    # the two new Triton kernels against their torch references, on the GPU first
+    ("new kernel tests", 60, "python3 -m pytest -q -p no:cacheprovider "
+                             "packages/zero-optim/tests/test_flat_adamw.py::test_triton_kernel_equals_torch_ops "
+                             "packages/tp-layers/tests/test_fp8_transpose.py::test_triton_kernel"),
     ("mega compile bf16", 60, _BF16),
     # AdamW and the bf16 write-back in one flat Triton kernel per shard run (predicted ~-6 ms)
     ("mega compile bf16 flat optimizer", 60, f"{_BF16} --set train.optimizer_kernel=flat"),
