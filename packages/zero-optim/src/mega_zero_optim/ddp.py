@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,9 +15,11 @@ from torch.distributed import ProcessGroup
 from mega_zero_optim.accumulate import accumulate_grad
 from mega_zero_optim.bucket import Bucket, BucketState
 from mega_zero_optim.buffer import ParamAndGradBuffer
+from mega_zero_optim.ddp_checks import check_grad_reduction, check_replicate_group, check_sharding
 from mega_zero_optim.gather import ParamGatherer, assign_units, forward_passes
 from mega_zero_optim.sharded_bucket import ShardedBucket
 from mega_zero_optim.sharded_buffer import ShardedBuffer
+from mega_zero_optim.wgrad_fusion import offer_wgrad_fusion
 
 __all__ = ["BucketInfo", "DistributedDataParallel"]
 
@@ -28,9 +29,6 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 #: ZeRO-2/3: reduce-scatters in flight before a new one waits for the oldest, which bounds
 #: the full gradients alive at once to this many buckets plus the one accumulating.
 MAX_REDUCING = 2
-
-#: What each dp rank keeps only a shard of, beside the optimizer state (ZeRO-1, -2, -3).
-SHARDING = ("optimizer", "gradients", "parameters")
 
 
 @dataclass(frozen=True)
@@ -151,32 +149,9 @@ class DistributedDataParallel(nn.Module):
         wgrad_into_main_grad: bool = True,
     ) -> None:
         super().__init__()
-        _check_replicate_group(dp_group, replicate_group)
-        _check_sharding(module, sharding, use_distributed_optimizer, gather_units, prefetch)
-        if bucket_size is not None and (
-            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0
-        ):
-            raise ValueError(
-                f"bucket_size ({bucket_size!r}) must be a positive number of elements; "
-                "use None for one bucket per dtype"
-            )
-        if grad_reduce not in ("mean", "sum"):
-            raise ValueError(
-                f"grad_reduce ({grad_reduce!r}) must be 'mean' (average over dp) or 'sum'"
-            )
-        if grad_dtype is not None and not grad_dtype.is_floating_point:
-            raise ValueError(
-                f"grad_dtype ({grad_dtype}) must be a floating-point dtype, e.g. torch.float32, "
-                "or None for each parameter's own dtype"
-            )
-        if (
-            isinstance(grad_scale, bool)
-            or not isinstance(grad_scale, (int, float))
-            or not (grad_scale > 0 and math.isfinite(grad_scale))
-        ):
-            raise ValueError(
-                f"grad_scale ({grad_scale!r}) must be a positive finite number; use 1.0 for none"
-            )
+        check_replicate_group(dp_group, replicate_group)
+        check_sharding(module, sharding, use_distributed_optimizer, gather_units, prefetch)
+        check_grad_reduction(bucket_size, grad_reduce, grad_dtype, grad_scale)
         self.module = module
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
@@ -248,7 +223,7 @@ class DistributedDataParallel(nn.Module):
                 buffer.broadcast_params(dp_group, replicate_group)
             for index, p in enumerate(buffer.params):
                 offer = wgrad_into_main_grad and isinstance(buffer, ParamAndGradBuffer)
-                if _offer_wgrad_fusion(buffer, index, self.grad_scale, offer):
+                if offer_wgrad_fusion(buffer, index, self.grad_scale, offer):
                     self._fused_wgrad.add(id(p))
                 register = p.register_post_accumulate_grad_hook
                 if isinstance(buffer, ShardedBuffer):
@@ -509,61 +484,6 @@ def _default_units(module: nn.Module) -> list[nn.Module]:
     ]
 
 
-def _check_replicate_group(dp_group: ProcessGroup, replicate_group: ProcessGroup | None) -> None:
-    """Raise ValueError when the replicate group is not orthogonal to the shard group."""
-    if replicate_group is None:
-        return
-    shard = dist.get_process_group_ranks(dp_group)
-    replicas = dist.get_process_group_ranks(replicate_group)
-    common = sorted(set(shard) & set(replicas))
-    if len(common) != 1:
-        raise ValueError(
-            f"replicate_group (ranks {replicas}) and dp_group (ranks {shard}) must meet in "
-            f"this rank alone, but share {common}; pass the HSDP groups of one layout, e.g. "
-            "groups.dp_shard and groups.dp_replicate"
-        )
-
-
-def _check_sharding(
-    module: nn.Module,
-    sharding: str,
-    use_distributed_optimizer: bool,
-    gather_units: Sequence[nn.Module] | None,
-    prefetch: int,
-) -> None:
-    """Raise ValueError for a sharding request that cannot work."""
-    if sharding not in SHARDING:
-        raise ValueError(
-            f"sharding ({sharding!r}) must be one of {', '.join(map(repr, SHARDING))} "
-            "(ZeRO-1, -2, -3)"
-        )
-    if sharding != "optimizer" and not use_distributed_optimizer:
-        raise ValueError(
-            f"sharding={sharding!r} needs use_distributed_optimizer=True (an all-reduce keeps "
-            "every gradient whole); use sharding='optimizer' for a plain all-reduce"
-        )
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(
-            f"prefetch ({prefetch!r}) must be a number of buckets >= 0; use 0 to gather each "
-            "bucket only when it is needed"
-        )
-    if gather_units is None:
-        return
-    if sharding != "parameters":
-        raise ValueError(
-            f"gather_units are the modules ZeRO-3 gathers at once, but sharding is "
-            f"{sharding!r}; pass sharding='parameters' or leave gather_units out"
-        )
-    inside = {id(m) for m in module.modules()}
-    for unit in gather_units:
-        if id(unit) not in inside or unit is module:
-            raise ValueError(
-                f"gather unit {type(unit).__name__} is not a submodule of the wrapped "
-                f"{type(module).__name__}; pass modules of the wrapped module (the module "
-                "itself is always the root unit)"
-            )
-
-
 def _wait_for(buckets: list[Bucket | ShardedBucket]) -> Callable[[nn.Module, Any], None]:
     def hook(module: nn.Module, args: Any) -> None:
         for bucket in buckets:
@@ -571,24 +491,3 @@ def _wait_for(buckets: list[Bucket | ShardedBucket]) -> Callable[[nn.Module, Any
                 bucket.finish_param_sync()
 
     return hook
-
-
-#: a layer marks a parameter whose weight gradient it can add into ``main_grad`` itself; the
-#: wrapper answers with the scale (mega-moe's ``GroupedMLP``; see ``mega_moe.wgrad_accum``)
-WGRAD_FUSION_ATTR = "mega_wgrad_fusion"
-MAIN_GRAD_ALPHA_ATTR = "mega_main_grad_alpha"
-
-
-def _offer_wgrad_fusion(
-    buffer: ParamAndGradBuffer | ShardedBuffer, index: int, grad_scale: float, offer: bool
-) -> bool:
-    """Let the layer of parameter ``index`` add its weight gradient into its fp32
-    ``main_grad`` (persistent, zeroed every step) where ``offer`` and the layer can; True
-    when offered. Otherwise any earlier wrapper's offer is withdrawn."""
-    param = buffer.params[index]
-    if offer and getattr(param, WGRAD_FUSION_ATTR, False) and buffer.grad_dtype == torch.float32:
-        setattr(param, MAIN_GRAD_ALPHA_ATTR, grad_scale)
-        return True
-    if hasattr(param, MAIN_GRAD_ALPHA_ATTR):
-        delattr(param, MAIN_GRAD_ALPHA_ATTR)
-    return False

@@ -12,27 +12,30 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from mega_zero_optim.bucket import Bucket
-from mega_zero_optim.buffer import ParamAndGradBuffer
 from mega_zero_optim.clip import (
     clip_coefficient,
-    counts_in_norm,
     global_grad_norm,
     raise_nonfinite,
 )
 from mega_zero_optim.ddp import DistributedDataParallel
-from mega_zero_optim.flat_adamw import FlatAdamW, FlatShard, check_flat_fused
+from mega_zero_optim.flat_adamw import FlatAdamW, check_flat_fused
 from mega_zero_optim.host_update import (
     HostUpdate,
     ShardStep,
     optimizer_view,
     register_upload_hooks,
 )
+from mega_zero_optim.masters import (
+    MasterPiece,
+    MasterShard,
+    build_pieces,
+    flat_shards,
+    prefixed_buffers,
+)
 from mega_zero_optim.memory import MemoryReport
-from mega_zero_optim.offload import HostShard, Offloader
+from mega_zero_optim.offload import Offloader
 from mega_zero_optim.scaler import DynamicLossScaler
-from mega_zero_optim.shard_range import Range, owned_pieces
 from mega_zero_optim.sharded_bucket import ShardedBucket
-from mega_zero_optim.sharded_buffer import ShardedBuffer
 from mega_zero_optim.state import (
     FORMAT,
     assemble_piece,
@@ -66,28 +69,6 @@ class StepResult:
 
 def _low(grad: torch.Tensor) -> bool:
     return grad.dtype != torch.float32
-
-
-@dataclass
-class _Piece:
-    """The part of one parameter inside one owned shard, and its fp32 master view."""
-
-    name: str
-    in_param: Range
-    master: torch.Tensor  # [piece] fp32, the tensor the wrapped optimizer steps
-    grad: torch.Tensor  # [piece] view of the gradient buffer
-    counts: bool  # counted in the global gradient norm
-
-
-@dataclass
-class _Shard:
-    """One bucket's owned shard: where the master values are written back from."""
-
-    bucket: Bucket | ShardedBucket
-    master: torch.Tensor  # [bucket/dp] fp32; the parameter shard itself for fp32 params
-    order: tuple[int, int]  # (buffer, -bucket): the order the forward uses the shards
-    host: HostShard | None = None  # optimizer_offload: the host side (master is host.master)
-    masters: frozenset[int] = frozenset()  # ids of the pieces' master views in this shard
 
 
 class DistributedOptimizer:
@@ -188,7 +169,7 @@ class DistributedOptimizer:
         self.loss_scaler = loss_scaler
         self.overlap_param_gather = overlap_param_gather
         self.num_steps = 0
-        self._device = next((b.device for _, b in self._buffers()), torch.device("cpu"))
+        self._device = next((b.device for _, b in prefixed_buffers(ddps)), torch.device("cpu"))
         self._offloader = Offloader(self._device) if optimizer_offload else None
         self._host_update: HostUpdate | None = None
         if self._offloader is not None and overlap_host_update:
@@ -196,9 +177,10 @@ class DistributedOptimizer:
         #: where the masters and the optimizer state live
         self._state_device = torch.device("cpu") if optimizer_offload else self._device
         self._shapes: dict[str, tuple[int, ...]] = {}
-        self._shards: list[_Shard] = []
-        self._master_bytes = 0
-        pieces = self._build_pieces()
+        self._shards: list[MasterShard] = []
+        pieces, self._master_bytes = build_pieces(
+            ddps, grad_norm_group, self._offloader, shapes=self._shapes, shards=self._shards
+        )
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and id(p) not in pieces:
@@ -207,7 +189,7 @@ class DistributedOptimizer:
                         "wrapped module trains; build it from ddp.parameters()"
                     )
         self._group_names: list[list[str]] = []
-        self._pieces: list[_Piece] = []
+        self._pieces: list[MasterPiece] = []
         for group in optimizer.param_groups:
             kept = [p for p in group["params"] if p.requires_grad]  # frozen: never stepped
             self._group_names.append([pieces[id(p)][0] for p in kept])
@@ -215,87 +197,14 @@ class DistributedOptimizer:
             self._pieces += mine
             group["params"] = [piece.master for piece in mine]
         self._piece_of = {id(piece.master): piece for piece in self._pieces}
-        self._flat = FlatAdamW(optimizer, self._flat_shards()) if flat_fused else None
+        self._flat = (
+            FlatAdamW(optimizer, flat_shards(self._shards, self._pieces)) if flat_fused else None
+        )
         self._hook_handles: list[Any] = []
         if self._host_update is not None:
             self._arm_gates(self._host_update)
 
     # construction ------------------------------------------------------------------------
-
-    def _buffers(self) -> list[tuple[str, ParamAndGradBuffer | ShardedBuffer]]:
-        prefixed = len(self.ddps) > 1
-        return [
-            (f"{i}." if prefixed else "", buffer)
-            for i, ddp in enumerate(self.ddps)
-            for buffer in ddp.param_and_grad_buffers
-        ]
-
-    def _build_pieces(self) -> dict[int, tuple[str, list[_Piece]]]:
-        """id(param) -> (name, pieces of it this rank owns); allocates the master shards."""
-        found: dict[int, tuple[str, list[_Piece]]] = {}
-        uncounted = {
-            id(b)
-            for d in self.ddps
-            if not self._counts_replica(d)
-            for b in d.param_and_grad_buffers
-        }
-        for number, (prefix, buffer) in enumerate(self._buffers()):
-            for name, p in zip(buffer.names, buffer.params, strict=True):
-                self._shapes[prefix + name] = tuple(p.shape)
-                found[id(p)] = (prefix + name, [])
-            fp32 = buffer.param_dtype == torch.float32
-            size = sum(b.shard.size for b in buffer.buckets)
-            masters = None
-            if not fp32 and self._offloader is None:
-                masters = torch.empty(size, dtype=torch.float32, device=buffer.device)
-            self._master_bytes += 0 if masters is None else masters.numel() * 4
-            offset = 0
-            for bucket in buffer.buckets:
-                host = None
-                grads = bucket.grad_shard
-                if self._offloader is not None:
-                    pin = self._offloader.cuda
-                    host = HostShard(bucket.param_shard, bucket.grad_shard, pin=pin)
-                    master, grads = host.master, host.grad
-                elif masters is None:
-                    master = bucket.param_shard
-                else:
-                    master = masters[offset : offset + bucket.shard.size]
-                    master.copy_(bucket.param_shard)
-                    offset += bucket.shard.size
-                shard = _Shard(bucket, master, (number, -bucket.index), host)
-                self._shards.append(shard)
-                mine: list[int] = []
-                for piece in owned_pieces(buffer.ranges, bucket.shard):
-                    p = buffer.params[piece.index]
-                    local = piece.in_buffer.shift(bucket.shard.start)
-                    name, into = found[id(p)]
-                    into.append(
-                        _Piece(
-                            name=name,
-                            in_param=piece.in_param,
-                            master=master[local.start : local.end],
-                            grad=grads[local.start : local.end],
-                            counts=counts_in_norm(p) and id(buffer) not in uncounted,
-                        )
-                    )
-                    mine.append(id(into[-1].master))
-                shard.masters = frozenset(mine)
-        return found
-
-    def _flat_shards(self) -> list[FlatShard]:
-        stepped = [{id(p.master) for p in self._pieces} & s.masters for s in self._shards]
-        return [
-            FlatShard(
-                master=s.master,
-                grad=s.bucket.grad_shard,
-                low_precision=None
-                if s.master.dtype == s.bucket.param_shard.dtype
-                else (s.bucket.param_shard),
-                pieces=tuple(p.master for p in self._pieces if id(p.master) in mine),
-            )
-            for s, mine in zip(self._shards, stepped, strict=True)
-        ]
 
     def _arm_gates(self, host_update: HostUpdate) -> None:
         """overlap_host_update: every bucket's gather waits for its shard's upload; at dp 1
@@ -310,19 +219,6 @@ class DistributedOptimizer:
                 for p in buffer.params:
                     where[id(p)] = [buffer.buckets[b] for b in buffer.buckets_of[id(p)]]
             self._hook_handles += register_upload_hooks(ddp.module, where, host_update)
-
-    def _counts_replica(self, ddp: DistributedDataParallel) -> bool:
-        """HSDP: whether this rank's shards count in the gradient norm. Every replica holds
-        the same reduced shard; when the norm group spans several replicas only the first
-        counts it, so that the sum of squares holds each shard once."""
-        if ddp.replicate_group is None or ddp.replicate_size == 1:
-            return True
-        replicas = dist.get_process_group_ranks(ddp.replicate_group)
-        if self.grad_norm_group is None:
-            spanned = len(replicas)
-        else:
-            spanned = len(set(replicas) & set(dist.get_process_group_ranks(self.grad_norm_group)))
-        return spanned == 1 or dist.get_rank(ddp.replicate_group) == 0
 
     # stepping ----------------------------------------------------------------------------
 
@@ -426,7 +322,7 @@ class DistributedOptimizer:
             if shard.master.data_ptr() != shard.bucket.param_shard.data_ptr():
                 shard.bucket.param_shard.copy_(shard.master)
 
-    def _shard_step(self, shard: _Shard) -> ShardStep:
+    def _shard_step(self, shard: MasterShard) -> ShardStep:
         """One shard's host update: a view of the optimizer over the shard's pieces."""
         view = optimizer_view(self.optimizer, shard.masters)
         assert shard.host is not None
@@ -575,7 +471,7 @@ class DistributedOptimizer:
     def memory_report(self) -> MemoryReport:
         """Bytes per parameter this rank holds (the optimizer state exists after the first step)."""
         self.wait()
-        buffers = [b for _, b in self._buffers()]
+        buffers = [b for _, b in prefixed_buffers(self.ddps)]
         state_bytes = sum(
             v.numel() * v.element_size()
             for s in self.optimizer.state.values()
