@@ -287,3 +287,35 @@ def test_a_vanished_offer_is_one_sentence() -> None:
     setattr(mlp.weight1, MAIN_GRAD_ALPHA_ATTR, 0.5)
     main, alpha = main_grad_target(key)
     assert main is mlp.weight1.main_grad and alpha == 0.5  # type: ignore[attr-defined]
+
+
+def _two_layers_one_graph() -> list[dict[str, Tensor]]:
+    """Two GroupedMLPs (different keys) under one wrapper, each compiled: the second must
+    reuse the first's graph (a recompile raises), and each main_grad must be its own."""
+    groups = init_process_groups(ParallelConfig())
+    layers = torch.nn.ModuleList([GroupedMLP(H, FFN, E, seed=s) for s in (0, 1)])
+    ddp = DistributedDataParallel(layers, dp_group=groups.dp, use_distributed_optimizer=False)
+    assert all(hasattr(m.weight1, MAIN_GRAD_ALPHA_ATTR) for m in layers)
+    torch._dynamo.reset()
+    ddp.zero_grad_buffer()
+    gen = torch.Generator().manual_seed(7)
+    x, dy = torch.randn(M, H, generator=gen), torch.randn(M, H, generator=gen)
+    for i, layer in enumerate(layers):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            torch.compile(layer, fullgraph=True)(x.clone().requires_grad_(), COUNTS).backward(dy)
+    ddp.finish_grad_sync()
+    return [{n: p.main_grad.clone() for n, p in m.named_parameters()} for m in layers]
+
+
+def test_layers_share_one_compiled_graph(dist_pool: DistPool) -> None:
+    """The key is a host tensor, not an int: an int was a constant each layer compiled for,
+    and past dynamo's recompile limit (8) the further layers of deepseek-3b ran eagerly."""
+    got = dist_pool.run(_two_layers_one_graph, 1)[0]
+    gen = torch.Generator().manual_seed(7)
+    x, dy = torch.randn(M, H, generator=gen), torch.randn(M, H, generator=gen)
+    for seed, grads in zip((0, 1), got, strict=True):
+        mlp = GroupedMLP(H, FFN, E, seed=seed)
+        mlp(x.clone().requires_grad_(), COUNTS).backward(dy)
+        for name, p in mlp.named_parameters():
+            assert p.grad is not None
+            assert_close_to_reference(grads[name], p.grad, reduction_length=N, name=name)

@@ -124,7 +124,7 @@ class _SplitGroupedLinear(Function):
         use_grouped_mm: bool,
         params: tuple[Tensor],
         store: WeightGradStore,
-        into_main: int | None,
+        into_main: Tensor | None,
     ) -> Tensor:
         ctx.save_for_backward(x, weight, *([counts] if isinstance(counts, Tensor) else []))
         ctx.counts = None if isinstance(counts, Tensor) else counts
@@ -164,7 +164,7 @@ def split_grouped_linear(
     use_grouped_mm: bool,
     param: Tensor,
     store: WeightGradStore,
-    into_main: int | None = None,
+    into_main: Tensor | None = None,
 ) -> Tensor:
     """:func:`grouped_linear` whose weight gradient ``store`` computes in the W pass.
 

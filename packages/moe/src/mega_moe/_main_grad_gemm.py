@@ -32,19 +32,19 @@ class _MainGradGroupedLinear(Function):
         counts: list[int] | Tensor,
         ends: Tensor,
         use_grouped_mm: bool,
-        key: int,
+        key: Tensor,
     ) -> Tensor:
         host = None if isinstance(counts, Tensor) else counts
-        ctx.save_for_backward(x, weight, ends, *([] if host is not None else [counts]))
-        ctx.host_counts, ctx.fast, ctx.key = host, use_grouped_mm, key
+        ctx.save_for_backward(x, weight, ends, key, *([] if host is not None else [counts]))
+        ctx.host_counts, ctx.fast = host, use_grouped_mm
         return grouped_linear(x, weight, counts, use_grouped_mm)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, ends, *device_counts = ctx.saved_tensors
+        x, weight, ends, key, *device_counts = ctx.saved_tensors
         counts = device_counts[0] if device_counts else ctx.host_counts
         grad = grad.contiguous()  # [M, out]
-        grad_w = wgrad_into_main_grad(grad, x, ends, weight, ctx.key, ctx.fast)
+        grad_w = wgrad_into_main_grad(grad, x, ends, weight, key, ctx.fast)
         grad_x = None
         if ctx.needs_input_grad[0]:  # [M, out] -> [M, in]: rows of expert l times weight[l]
             grad_x = grouped_linear(grad, weight.transpose(1, 2), counts, ctx.fast)
@@ -52,7 +52,7 @@ class _MainGradGroupedLinear(Function):
 
 
 def main_grad_grouped_linear(
-    x: Tensor, weight: Tensor, counts: list[int] | Tensor, use_grouped_mm: bool, key: int
+    x: Tensor, weight: Tensor, counts: list[int] | Tensor, use_grouped_mm: bool, key: Tensor
 ) -> Tensor:
     """:func:`grouped_linear` of ``x [M, in]`` and ``weight [L, out, in]`` whose backward
     adds the weight gradient into the ``main_grad`` registered under ``key``."""

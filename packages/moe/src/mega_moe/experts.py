@@ -358,7 +358,7 @@ class GroupedMLP(ShardedModule):
         a = expert_activation(h, self.layout.gated)  # -> [M, ffn/etp]
         return grouped_linear(a, self.weight2, counts, fast)  # -> [M, h], partial over etp
 
-    def _main_grad_keys(self) -> tuple[int | None, int | None]:
+    def _main_grad_keys(self) -> tuple[Tensor | None, Tensor | None]:
         """Each weight's key (:func:`~mega_moe.wgrad_accum.register_wgrad_target`) where a
         data-parallel wrapper offered to take its gradient in ``main_grad``, else None; see
         :mod:`mega_moe.wgrad_accum`."""

@@ -21,8 +21,8 @@ The protocol between the two packages, by parameter attribute (as ``main_grad`` 
 :func:`grouped_wgrad_accumulate` is the accumulation: a Triton kernel of the project's own
 on CUDA (``mega_moe._wgrad_triton``), ``torch._grouped_mm`` or a loop of GEMMs and one add
 elsewhere. Inside backward the layer calls :func:`wgrad_into_main_grad`, a ``torch.library``
-custom op that finds the main gradient by a key, so compiled graphs keep it whole and never
-take the main gradient as an input.
+custom op that finds the main gradient by a key (a host tensor), so compiled graphs keep it
+whole, never take the main gradient as an input, and are shared by all layers.
 """
 
 from __future__ import annotations
@@ -69,18 +69,25 @@ _TARGETS: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
 _NEXT_KEY = itertools.count()
 
 
-def register_wgrad_target(module: nn.Module, name: str) -> int:
+def register_wgrad_target(module: nn.Module, name: str) -> Tensor:
     """A key under which :func:`wgrad_into_main_grad` finds ``getattr(module, name)``'s
-    ``main_grad`` and scale (the module is held weakly)."""
+    ``main_grad`` and scale (the module is held weakly).
+
+    The key is a one-element int64 tensor on the host, not an int: a compiled graph takes
+    a tensor as an input, so every layer shares one graph, where an int is a constant each
+    layer's graph is compiled (and guarded) for, and past dynamo's recompile limit (8) the
+    further layers ran uncompiled (``deepseek-3b``'s 11 MoE layers, until 2026-12-07). It
+    is read on the host when the gradient is added: no device synchronisation.
+    """
     key = next(_NEXT_KEY)
     _TARGETS[key] = (weakref.ref(module), name)
-    return key
+    return torch.tensor([key], dtype=torch.int64)
 
 
-def main_grad_target(key: int) -> tuple[Tensor, float]:
+def main_grad_target(key: Tensor) -> tuple[Tensor, float]:
     """``(main_grad, alpha)`` of the weight registered under ``key``; one sentence where the
     wrapper's offer is gone."""
-    ref, name = _TARGETS[key]
+    ref, name = _TARGETS[int(key.item())]
     module = ref()
     param = None if module is None else getattr(module, name, None)
     main = getattr(param, "main_grad", None)
@@ -95,7 +102,7 @@ def main_grad_target(key: int) -> tuple[Tensor, float]:
 
 @torch.library.custom_op("mega_moe::wgrad_into_main_grad", mutates_args=())
 def _into_main_grad_op(
-    dy: Tensor, x: Tensor, ends: Tensor, weight: Tensor, key: int, use_grouped_mm: bool
+    dy: Tensor, x: Tensor, ends: Tensor, weight: Tensor, key: Tensor, use_grouped_mm: bool
 ) -> Tensor:
     main, alpha = main_grad_target(key)
     experts = main.shape[0]
@@ -107,13 +114,13 @@ def _into_main_grad_op(
 
 @_into_main_grad_op.register_fake
 def _(
-    dy: Tensor, x: Tensor, ends: Tensor, weight: Tensor, key: int, use_grouped_mm: bool
+    dy: Tensor, x: Tensor, ends: Tensor, weight: Tensor, key: Tensor, use_grouped_mm: bool
 ) -> Tensor:
     return torch.empty_like(weight)
 
 
 def wgrad_into_main_grad(
-    dy: Tensor, x: Tensor, ends: Tensor, weight: Tensor, key: int, use_grouped_mm: bool
+    dy: Tensor, x: Tensor, ends: Tensor, weight: Tensor, key: Tensor, use_grouped_mm: bool
 ) -> Tensor:
     """Add ``alpha * dy_l^T x_l`` into the ``main_grad`` of the weight registered under
     ``key`` (:func:`register_wgrad_target`; ``alpha`` its wrapper's scale) and return the
