@@ -696,6 +696,28 @@ SUITES["s13d"] = [
     ("profile deepseek-3b accum 8", 170, f"{_DEEPSEEK8} --profile 1"),
 ]  # fmt: skip
 
+# the fourteenth session's first call (~540 s): the new kernels' tests and the MoE key fix's
+# CUDA test on the GPU; deepseek-3b with its MoE layers all compiled again (the int key had
+# left the last 4 of 11 uncompiled past dynamo's recompile limit; predicted >= 34.5 % on an
+# H100 like the eleventh session's, ~36 % with the fused expert gradients); bf16 with and
+# without the flat optimizer; delayed interval 8 with and without the opaque transposes
+SUITES["s14a"] = [
+    ("new kernel tests", 90, "python3 -m pytest -q -p no:cacheprovider "
+                             "packages/zero-optim/tests/test_flat_adamw.py::test_triton_kernel_equals_torch_ops "
+                             "packages/tp-layers/tests/test_fp8_transpose.py::test_triton_kernel "
+                             "packages/moe/tests/test_wgrad_into_main_grad.py -k 'cuda or share'"),
+    ("deepseek-3b accum 8", 170, _DEEPSEEK8),
+    *SUITES["owed13"][1:5],
+]  # fmt: skip
+
+# the second call (~330 s): current scaling with and without the opaque transposes, the FP8
+# output code, moe-2b (12 MoE layers: its last 4 ran uncompiled too; predicted ~1.1x the
+# 32-38 % it ran at)
+SUITES["s14b"] = [
+    *SUITES["owed13"][5:],
+    ("moe-2b accum 4", 120, f"{_STEP} --size moe-2b --mb 4 --accum 4 --compile --steps 4 --warmup 2"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
