@@ -98,6 +98,9 @@ def main() -> None:
             ap.error(f"--set {item!r} is not KEY=VALUE")
         overrides.append((key, value))
     config = load_config(None, overrides)
+    if args.compile and hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        # a layer past dynamo's recompile limit would run eagerly, silently
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     dp = plan_for(config, world).dp  # the layout's dp sets the global batch
     batch = args.mb * args.accum * dp
     config = replace(config, train=replace(config.train, global_batch_size=batch))
@@ -155,6 +158,7 @@ def main() -> None:
         "model_tflops": tok_s * flops / world / 1e12, "loss": float(loss), "warmup_s": first_s,
         "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else 0.0,
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
     }  # fmt: skip
     if dist.get_rank() == 0:
