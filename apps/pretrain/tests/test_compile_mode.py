@@ -1,10 +1,12 @@
-"""``train.compile_mode``: what each mode compiles with, every refusal in one sentence, and on a
-GPU the CUDA-graph replay of ``reduce-overhead`` training like the default mode."""
+"""``train.compile_mode``: what each mode compiles with, every refusal in one sentence, on a
+GPU the CUDA-graph replay of ``reduce-overhead`` training like the default mode; and the
+compiled MoE layers sharing one graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 
 from mega_parallel_grid import init_process_groups
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
@@ -62,6 +64,16 @@ def test_the_trainer_checks_the_mode() -> None:
         check_config(config, plan_for(config, 1).model, 1)
 
 
+def _runner(config: TrainerConfig) -> tuple[StepRunner, torch.device]:
+    """The trainer's step for ``config`` at one process, fp32, and its device."""
+    groups = init_process_groups(parallel_config(config))
+    device = rank_device()
+    runner = StepRunner(build(config, groups, device), groups, seq_len=SEQ, micro_batch_size=MICRO,
+                        hidden_size=gpt_config(config).hidden_size, dtype=torch.float32,
+                        device=device, sequence_parallel=False)  # fmt: skip
+    return runner, device
+
+
 def _losses(mode: str) -> list[float]:
     config = load_config(None, [("model.size", "tiny"), ("train.seq_len", str(SEQ)),
                                 ("train.micro_batch_size", str(MICRO)),
@@ -69,11 +81,7 @@ def _losses(mode: str) -> list[float]:
                                 ("train.precision", "fp32"), ("train.compile", "true"),
                                 ("train.compile_mode", mode)])  # fmt: skip
     model = gpt_config(config)
-    groups = init_process_groups(parallel_config(config))
-    device = rank_device()
-    runner = StepRunner(build(config, groups, device), groups, seq_len=SEQ, micro_batch_size=MICRO,
-                        hidden_size=model.hidden_size, dtype=torch.float32, device=device,
-                        sequence_parallel=False)  # fmt: skip
+    runner, device = _runner(config)
     gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(STEPS):
@@ -96,3 +104,31 @@ def test_cuda_graphs_train_like_the_default_mode(dist_pool: DistPool) -> None:
         assert_close_to_reference(
             got, want, reduction_length=64 * 2 * SEQ, name=f"loss of step {step}"
         )
+
+
+# Compiled layers of one kind share one graph: a per-layer constant that dynamo guards on
+# (the experts' main-grad key was one until 2026-12-07) compiles each layer again, and past
+# dynamo's recompile limit (8) the further layers run uncompiled, silently: deepseek-3b's 11
+# MoE layers did. Here the limit is lowered below the MoE layer count and a hit fails.
+LAYERS = "-EEEEE"  # a dense layer, then five MoE layers: more than the limit below
+LIMIT = 3
+
+
+def _one_compiled_moe_step() -> float:
+    config = load_config(None, [("model.size", "moe-tiny"), ("model.num_layers", str(len(LAYERS))),
+                                ("model.moe_layer_pattern", LAYERS), ("train.seq_len", str(SEQ)),
+                                ("train.micro_batch_size", str(MICRO)),
+                                ("train.global_batch_size", str(MICRO)),
+                                ("train.precision", "fp32"), ("train.compile", "true")])  # fmt: skip
+    runner, device = _runner(config)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, gpt_config(config).vocab_size, (MICRO, SEQ + 1), generator=gen)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=LIMIT, fail_on_recompile_limit_hit=True):
+        loss, _ = runner.train_step([(tokens[:, :-1].to(device), tokens[:, 1:].to(device))], 1e-3)
+    return float(loss)
+
+
+def test_moe_layers_share_one_graph(dist_pool: DistPool) -> None:
+    [loss] = dist_pool.run(_one_compiled_moe_step, 1)
+    assert torch.isfinite(torch.tensor(loss))
