@@ -156,7 +156,7 @@ def test_the_vocabulary_check_reads_a_bounded_sample(tmp_path: Path) -> None:
     """A large file is sampled in evenly spaced windows (first and last included), so an id
     past the model's vocabulary anywhere in a window is found without reading the file."""
     from mega_pretrain.data import check_vocab
-    from mega_pretrain.data.indexed import sampled_max_id
+    from mega_pretrain.data.vocab_check import sampled_max_id
 
     ids = np.full(1_000_000, 7, dtype=np.int64)
     ids[-1] = 300  # the last window reaches the end of the file

@@ -27,7 +27,7 @@ from mega_pretrain.data import (
     ensure_default_dataset,
     split_train_valid,
 )
-from mega_pretrain.data.indexed import sampled_max_id
+from mega_pretrain.data.vocab_check import sampled_max_id
 
 CODES = {1: "u1", 2: "i1", 3: "<i2", 4: "<i4", 5: "<i8", 6: "<f8", 7: "<f4", 8: "<u2"}
 

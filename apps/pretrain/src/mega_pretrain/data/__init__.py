@@ -18,7 +18,6 @@ from mega_pretrain.data.indexed import (
     IndexedTokenDataset,
     IndexedTokenWriter,
     IndexHeader,
-    check_vocab,
 )
 from mega_pretrain.data.megatron import MegatronIndex
 from mega_pretrain.data.preprocess import PreprocessStats, find_input_files, preprocess
@@ -29,6 +28,7 @@ from mega_pretrain.data.tokenizers import (
     Tokenizer,
     build_tokenizer,
 )
+from mega_pretrain.data.vocab_check import check_vocab
 
 if TYPE_CHECKING:
     from mega_pretrain.data.blended import BlendedDataset, blend_order

@@ -51,10 +51,7 @@ __all__ = [
     "IndexHeader",
     "IndexedTokenDataset",
     "IndexedTokenWriter",
-    "check_vocab",
     "index_format",
-    "sampled_id_range",
-    "sampled_max_id",
     "token_dtype",
 ]
 
@@ -480,7 +477,3 @@ class IndexedTokenDataset:
             f"IndexedTokenDataset({str(self.prefix)!r}: {len(self)} documents, "
             f"{self.num_tokens} tokens, {what})"
         )
-
-
-# Re-exported at the end: vocab_check imports IndexedTokenDataset from this module.
-from mega_pretrain.data.vocab_check import check_vocab, sampled_id_range, sampled_max_id  # noqa: E402
