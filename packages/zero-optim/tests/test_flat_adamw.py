@@ -33,6 +33,7 @@ from mega_zero_optim.flat_adamw import SegmentStep
 
 WIDTH, BATCH, STEPS, LR = 16, 8, 5, 1e-2
 OPS = 4 * WIDTH + 8  # a forward and backward of the 2-layer net, then the optimizer's ops
+NUMEL = 2 * (WIDTH * WIDTH + WIDTH) + 2 * WIDTH  # the net's parameters: two linears, a norm
 
 
 def _net(dtype: torch.dtype) -> nn.Sequential:
@@ -146,9 +147,10 @@ def _flat_equals_torch(options: dict[str, Any]) -> str:
             _low_precision_is_rounded_master(opt)
     _compare(states[0], states[1], f"flat {options}")
     # the flat step's norm reads bf16/fp16 gradients as they are (no fp32 copies), each
-    # square summed in fp32: the same sums as the copies' norm, in another order
+    # square summed in fp32: the gradients carry the states' rounding (OPS * STEPS), then
+    # the sum of squares runs over every element (NUMEL), in another order on each path
     assert_close_to_reference(
-        norms[0], norms[1], reduction_length=OPS * STEPS, name=f"flat {options} grad norms"
+        norms[0], norms[1], reduction_length=OPS * STEPS + NUMEL, name=f"flat {options} norms"
     )
     return "ok"
 
@@ -379,3 +381,21 @@ REFUSALS = {
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refusal_is_one_sentence(dist_pool: DistPool, case: str) -> None:
     assert dist_pool.run(_refusal, 1, args=(case,)) == [REFUSALS[case]]
+
+
+def _nan_named_by_flat_step() -> str:
+    """A bf16 run with bf16 gradient buffers (the flat step copies none into fp32): a nan
+    in one gradient is named, not taken for an overflowed sum."""
+    opt, ddp = _build(True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
+    opt.zero_grad()
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(0))
+    ddp(x.to(rank_device(), torch.bfloat16)).float().square().mean().backward()
+    ddp.module[3].weight.main_grad[2, 1] = float("nan")
+    with pytest.raises(FloatingPointError) as caught:
+        opt.step()
+    return str(caught.value)
+
+
+def test_flat_step_names_a_nan_gradient(dist_pool: DistPool) -> None:
+    [message] = dist_pool.run(_nan_named_by_flat_step, 1)
+    assert message.startswith("step 1: the gradient of '3.weight' holds nan or inf"), message

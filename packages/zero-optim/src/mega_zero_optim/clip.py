@@ -64,11 +64,11 @@ def global_grad_norm(
     if scaled:
         parts.append(_norm32(scaled) * unscale)
     local: torch.Tensor
-    if parts:
+    if parts:  # host pieces (offload) reduce on the device
         local = torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]))
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
-    squared = (local * local).to(device)  # host pieces (offload) reduce on the device
+    squared = local * local
     if dist.get_world_size(group) > 1:
         dist.all_reduce(squared, group=group)
     return squared.sqrt()

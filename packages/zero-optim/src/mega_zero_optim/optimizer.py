@@ -200,6 +200,9 @@ class DistributedOptimizer:
         self._flat = (
             FlatAdamW(optimizer, flat_shards(self._shards, self._pieces)) if flat_fused else None
         )
+        # fp32 gradients are the masters' grads and bf16/fp16 ones are copied into fp32 each
+        # step, except for the flat step, which reads these as they are and unscales as it reads
+        self._raw = frozenset(id(p) for p in self._pieces if flat_fused and _low(p.grad))
         self._hook_handles: list[Any] = []
         if self._host_update is not None:
             self._arm_gates(self._host_update)
@@ -250,11 +253,8 @@ class DistributedOptimizer:
             ddp.finish_grad_sync()
         if self._offloader is not None:
             self._offloader.grads_down([s.host for s in self._shards if s.host is not None])
-        # fp32 gradients are the masters' grads; bf16/fp16 ones are copied into fp32, except
-        # for the flat step, which reads them as they are (``raw``) and unscales as it reads
-        raw = {id(p) for p in self._pieces if self._flat is not None and _low(p.grad)}
         for piece in self._pieces:
-            if id(piece) not in raw:
+            if id(piece) not in self._raw:
                 piece.master.grad = piece.grad.float() if _low(piece.grad) else piece.grad
         grads = [piece.master.grad for piece in self._pieces if piece.master.grad is not None]
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
@@ -267,7 +267,7 @@ class DistributedOptimizer:
                 counted,
                 self.grad_norm_group,
                 self._device,
-                scaled=[p.grad for p in self._pieces if p.counts and id(p) in raw],
+                scaled=[p.grad for p in self._pieces if p.counts and id(p) in self._raw],
                 unscale=1.0 if scale is None else 1.0 / scale,
             )
         )
@@ -390,7 +390,7 @@ class DistributedOptimizer:
 
     def _raise_nonfinite(self, norm: float) -> NoReturn:
         """Name the first parameter with a non-finite gradient, agreed on by every rank."""
-        grads = [(p.name, p.master.grad) for p in self._pieces]
+        grads = [(p.name, p.grad) for p in self._pieces]  # as reduced (a flat step copies none)
         raise_nonfinite(grads, norm, self.num_steps, self.grad_norm_group)
 
     # state -------------------------------------------------------------------------------
