@@ -11,6 +11,7 @@ parameter and FLOP counts; each bad configuration's sentence.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -105,6 +106,35 @@ def test_latent_sdpa_with_unequal_head_dims_is_plain_attention() -> None:
     assert_close_to_reference(
         latent_sdpa(q, k, v, scale=0.25), expected, reduction_length=12 + 10, name="sdpa"
     )
+
+
+def test_compiled_latent_sdpa_logs_no_error_and_matches_eager(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Inductor's attention pattern matcher failed (and logged a traceback at ERROR) on the
+    # unpadded unequal dims; compiled, the values are padded as on CUDA
+    # the layer's layout: [s, b, n, d] projections viewed as [b, n, s, d]
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(16, 2, 3, d, generator=gen, requires_grad=True) for d in (12, 12, 8))
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return latent_sdpa(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), scale=0.3)
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.ERROR, logger="torch"):
+        out = torch.compile(f, backend="inductor", fullgraph=True)(q, k, v)
+        out.sum().backward()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors[0]
+    compiled_grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    eager = f(q, k, v)
+    eager.sum().backward()
+    assert_close_to_reference(out, eager, reduction_length=12 + 16, name="compiled sdpa")
+    for name, got, t in zip("qkv", compiled_grads, (q, k, v), strict=True):
+        assert got is not None and t.grad is not None
+        assert_close_to_reference(got, t.grad, reduction_length=12 + 16, name=f"d{name}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the padded flash path needs CUDA")

@@ -24,9 +24,11 @@ gradients are then partial per rank and marked like the norms' (``partial_grads`
 
 Core attention: ``F.scaled_dot_product_attention`` with the qk head dim
 (``qk_nope + qk_rope``) larger than the value head dim. On CPU its math kernel takes that
-as is. On CUDA in half precision the values are zero-padded to the qk dim and the output
-sliced back, so the flash kernel (which needs equal dims) can run; in fp32 on CUDA SDPA
-picks the efficient or math kernel, which take unequal dims. The result is the same
+as is in eager mode. On CUDA in half precision, and under ``torch.compile`` on any
+device, the values are zero-padded to the qk dim and the output sliced back: the flash
+kernel needs equal dims, and Inductor's attention pattern matcher fails (logging a
+traceback) on unequal ones. In eager fp32 on CUDA SDPA picks the efficient or math
+kernel, which take unequal dims. The result is the same
 attention everywhere. Context parallel (ring or all-gather) takes unequal dims directly.
 """
 
@@ -61,9 +63,10 @@ def latent_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, dropout_p: float = 0.0
 ) -> torch.Tensor:
     """Causal SDPA ``[b, n, s, d_qk] x [b, n, s, d_v] -> [b, n, s, d_v]`` for ``d_v <= d_qk``:
-    on CUDA in half precision ``v`` is zero-padded to ``d_qk`` (flash needs equal dims)."""
+    on CUDA in half precision or under compile ``v`` is zero-padded to ``d_qk``."""
     dv = v.shape[-1]
-    pad = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dv < q.shape[-1]
+    half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    pad = dv < q.shape[-1] and (half or torch.compiler.is_compiling())
     if pad:
         v = F.pad(v, (0, q.shape[-1] - dv))
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
