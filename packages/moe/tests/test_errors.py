@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from mega_moe import GroupedMLP, MoEConfig, MoELayer, RouterConfig, TopKRouter
+from mega_moe import GroupedMLP, MoEConfig, MoELayer, RouterConfig, SharedExpertMLP, TopKRouter
 from mega_parallel_grid import ParallelConfig, init_process_groups
 from mega_parallel_grid.testing import DistPool
 
@@ -146,6 +146,14 @@ BAD_CONFIGS: dict[str, tuple[Callable[[], object], str]] = {
     "gemm": (
         lambda: GroupedMLP(H, 32, 8, gemm="cutlass"),  # type: ignore[arg-type]
         "GroupedMLP gemm ('cutlass') must be",
+    ),
+    "shared activation": (
+        lambda: SharedExpertMLP(H, 32, activation="relu"),  # type: ignore[arg-type]
+        "SharedExpertMLP activation ('relu') must be one of 'swiglu', 'gelu'",
+    ),
+    "shared ffn size": (
+        lambda: SharedExpertMLP(H, 0),
+        "SharedExpertMLP ffn_hidden_size (0) must be a positive integer",
     ),
     "expert tokens": (
         lambda: GroupedMLP(H, 32, 2)(torch.randn(3, H), [1, 1]),

@@ -90,3 +90,22 @@ def test_update_needs_expert_bias() -> None:
     with pytest.raises(ValueError, match="expert_bias=True") as info:
         router.update_expert_bias()
     assert "\n" not in str(info.value)
+
+
+def test_bias_stays_fp32_when_the_router_is_cast_to_bf16() -> None:
+    """``router.to(torch.bfloat16)`` casts the weight, not the bias: in bf16 a step of
+    1e-3 from 0.5 rounds away (bf16's spacing there is 2**-8). Both sides below do the
+    same fp32 operations, so they agree exactly."""
+    rc = RouterConfig(num_experts=4, top_k=1, expert_bias=True, bias_update_rate=1e-3)
+    router = TopKRouter(H, rc, seed=0)
+    assert router.expert_bias is not None
+    with torch.no_grad():
+        router.expert_bias.fill_(0.5)
+    router.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == torch.float32
+    router.apply_load(torch.tensor([0.0, 2.0, 2.0, 4.0]))  # mean 2: 0 under, 3 over
+    expected = torch.full((4,), 0.5) + 1e-3 * torch.tensor([1.0, 0.0, 0.0, -1.0])
+    assert torch.equal(router.expert_bias, expected)
+    routing = router(torch.randn(6, H, dtype=torch.bfloat16))  # still routes (fp32 math)
+    assert routing.probs.dtype == torch.float32

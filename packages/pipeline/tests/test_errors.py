@@ -15,6 +15,7 @@ from mega_parallel_grid.testing import DistPool
 from mega_pipeline import (
     P2PCommunicator,
     StageChunk,
+    broadcast_losses,
     forward_backward_1f1b,
     forward_backward_interleaved,
     forward_backward_no_pipelining,
@@ -219,3 +220,77 @@ def test_no_pipelining_runs_without_processes() -> None:
         assert torch.equal(g, cast(Tensor, p.grad))
     with torch.no_grad():
         assert [float(d["loss"]) for d in losses] == [float(model(x).pow(2).mean()) for x in xs]
+
+
+def test_loss_func_logs_that_are_not_tensors_are_one_sentence() -> None:
+    """A logged float (or logs that are not a dict) is named, not an AttributeError."""
+
+    def logs_float(it: Any, chunk: StageChunk) -> Any:
+        out = chunk(torch.ones(2, 4))
+        return out, lambda o: (o.pow(2).mean(), {"acc": 0.5})
+
+    def logs_list(it: Any, chunk: StageChunk) -> Any:
+        out = chunk(torch.ones(2, 4))
+        return out, lambda o: (o.pow(2).mean(), [o.mean()])
+
+    run = forward_backward_no_pipelining
+    model = nn.Linear(4, 4)
+    assert _message(
+        lambda: run(forward_step=logs_float, data_iterator=None, model=model, num_microbatches=1)
+    ) == (
+        "TypeError: loss_func logged values that are not tensors ({'acc': 'float'}); log each "
+        "as a tensor, e.g. torch.tensor(value) or loss.detach()"
+    )
+    assert _message(
+        lambda: run(forward_step=logs_list, data_iterator=None, model=model, num_microbatches=1)
+    ) == (
+        "TypeError: loss_func returned (loss, list); the values to log must be a dict "
+        "{name: tensor}"
+    )
+
+
+def _broadcast_bad_records() -> str:
+    # a timeout well above any scheduling skew on a loaded machine, well below gloo's
+    # default 30 minutes: a rank left waiting for the source fails the test, not hangs it
+    group = _group(backend="gloo", timeout=timedelta(seconds=60))
+    last = dist.get_rank(group) == 1
+    one = torch.tensor(1.0)
+    # the last rank's microbatches log different names: it cannot share them
+    losses = [{"loss": one}, {"loss": one, "acc": one}] if last else []
+    message = _message_runtime(lambda: broadcast_losses(losses, group, device="cpu"))
+    dist.barrier()
+    return message
+
+
+def test_broadcast_losses_bad_records_fail_on_every_rank(dist_pool: DistPool) -> None:
+    """The source's error reaches every rank at once, not as a timeout on the others."""
+    source, other = dist_pool.run(_broadcast_bad_records, 2)[::-1]
+    assert (
+        source
+        == other
+        == (
+            "ValueError: broadcast_losses needs every microbatch to log the same scalar names; "
+            "got ['acc', 'loss'] after ['loss']"
+        )
+    )
+
+
+def _broadcast_one_rank() -> list[str]:
+    group = dist.new_group([0])
+    losses = [{"loss": torch.tensor([1.5], dtype=torch.bfloat16), "n": torch.tensor(3)}]
+    shared = broadcast_losses(losses, group, device="cpu")
+    bad = [{"loss": torch.tensor(1.0)}, {"acc": torch.tensor(1.0)}]
+    return [
+        *(f"{n} {tuple(v.shape)} {v.dtype} {float(v)}" for n, v in shared[0].items()),
+        _message(lambda: broadcast_losses(bad, group)),
+    ]
+
+
+def test_broadcast_losses_on_one_rank_as_on_several(dist_pool: DistPool) -> None:
+    """pp 1: fp32 scalars on the device and the same checks, as a group of several gives."""
+    assert dist_pool.run(_broadcast_one_rank, 1)[0] == [
+        "loss () torch.float32 1.5",
+        "n () torch.float32 3.0",
+        "ValueError: broadcast_losses needs every microbatch to log the same scalar names; "
+        "got ['acc'] after ['loss']",
+    ]

@@ -111,8 +111,12 @@ class _Dispatcher:
 
     def _check_same_token_count(self, n: int, device: torch.device) -> None:
         """Padded chunks take their sizes from this rank's token count, so every ep and etp
-        rank must route as many tokens: checked once per count (a small all-gather and one
-        host read), so that a mismatch is one sentence on every rank, not a hang."""
+        rank must route as many tokens: checked the first time a rank routes a count (a
+        small all-gather and one host read), so that a mismatch on a count new to every
+        rank is one sentence on every rank, not a hang. A rank that routes a count it has
+        checked before skips the check (no host sync in the steady state), so a mismatch
+        where some rank repeats a checked count is not caught: the token all-to-all then
+        waits until the group's timeout."""
         if n in self._counts_checked:
             return
         for label, group in (("ep", self.ep_group), ("etp", self.etp_group)):

@@ -131,7 +131,7 @@ class TopKRouter(ShardedModule):
             device=device,
         )
         if config.expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(e, device=device))
+            self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32, device=device))
             self.register_buffer(
                 "load", torch.zeros(e, dtype=torch.int64, device=device), persistent=False
             )
@@ -220,8 +220,16 @@ class TopKRouter(ShardedModule):
         self.load.zero_()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
-        fresh = self.expert_bias is not None and self.expert_bias.device.type == "meta"
+        before = self.expert_bias
+        fresh = before is not None and before.device.type == "meta"
         result = super()._apply(fn, recurse)
+        after = self.expert_bias
+        if before is not None and after is not None and after.dtype != torch.float32:
+            # `.to(torch.bfloat16)` casts every floating buffer; the bias stays fp32 (as
+            # Megatron keeps it): in bf16 its steps of `bias_update_rate` round away
+            fp32 = torch.float32
+            kept = after.float() if fresh else before.to(device=after.device, dtype=fp32)
+            self.expert_bias = kept
         if fresh and self.expert_bias is not None and self.expert_bias.device.type != "meta":
             with torch.no_grad():  # materialised from meta (to_empty): start from zero
                 self.expert_bias.zero_()

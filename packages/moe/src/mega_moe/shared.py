@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from mega_moe._comm import Group, check_group, group_rank, group_size
 from mega_moe._gemm import expert_activation
-from mega_moe.config import Activation
+from mega_moe.config import ACTIVATIONS, Activation
 from mega_tp_layers import (
     InitMethod,
     Normal,
@@ -56,6 +56,14 @@ class SharedExpertMLP(ShardedModule):
     ) -> None:
         super().__init__()
         owner = "SharedExpertMLP"
+        for label, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{owner} {label} ({value!r}) must be a positive integer")
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"{owner} activation ({activation!r}) must be one of "
+                f"{', '.join(map(repr, ACTIVATIONS))}"
+            )
         self.tp_group = check_group(tp_group, "tp_group", owner)
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if ffn_hidden_size % tp:

@@ -66,6 +66,17 @@ def _split_loss(result: LossOutput) -> tuple[Tensor, Mapping[str, Tensor]]:
             f"loss_func returned a loss of shape {tuple(loss.shape)}; return one scalar per "
             "microbatch (e.g. the mean over its tokens)"
         )
+    if not isinstance(logs, Mapping):
+        raise TypeError(
+            f"loss_func returned (loss, {type(logs).__name__}); the values to log must be "
+            "a dict {name: tensor}"
+        )
+    wrong = {str(k): type(v).__name__ for k, v in logs.items() if not isinstance(v, Tensor)}
+    if wrong:
+        raise TypeError(
+            f"loss_func logged values that are not tensors ({wrong}); log each as a tensor, "
+            "e.g. torch.tensor(value) or loss.detach()"
+        )
     return loss, logs
 
 
