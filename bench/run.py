@@ -730,6 +730,17 @@ SUITES["s14short"] = SUITES["s14a"][:4]
 # the same, deepseek-3b first (the device budget down to one short call)
 SUITES["s14min"] = [SUITES["s14a"][1], SUITES["s14a"][0], *SUITES["s14a"][2:4]]
 
+# fifteenth session, one call (~580 s): s14short, then target 1's eager line with the
+# activation and RoPE as compiled regions (model.fused_elementwise; predicted ~-10 ms of
+# ~334: mega eager 1.02x -> ~1.05x plain eager) beside mega eager and plain eager
+_EAGER = f"{_STEP} --size 1b-bench --mb 8 --steps 5 --warmup 2"
+SUITES["s15"] = [
+    *SUITES["s14short"],
+    ("mega eager fused elementwise", 80, f"{_EAGER} --set model.fused_elementwise=true"),
+    ("mega eager", 60, _EAGER),
+    ("torch eager", 60, f"{_TORCH} --mb 8 --steps 5 --warmup 2"),
+]
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -18,9 +18,9 @@ from torch.utils.checkpoint import checkpoint
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention
 from mega_models.doc_mask import DocumentMask, document_attention
+from mega_models.fused_ops import rope_qk, run_fused
 from mega_models.norms import Norm
 from mega_models.rng_replay import rng_checkpoint_contexts
-from mega_models.rope import apply_rope
 from mega_parallel_grid import group_size
 from mega_tp_layers import (
     ColumnParallelLinear,
@@ -131,6 +131,7 @@ class AttentionBase(nn.Module, abc.ABC):
         self.sequence_parallel = sequence_parallel
         self.heads = config.num_attention_heads // tp
         self.dropout, self.recompute_core, self.rng = config.attention_dropout, recompute_core, rng
+        self.fused = config.fused_elementwise  # RoPE as one compiled region (fused_ops)
         linear: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
                   "device": device, "dtype": dtype, "fp8": fp8,
                   "tp_comm_overlap": tp_comm_overlap}  # fmt: skip
@@ -230,7 +231,7 @@ class SelfAttention(AttentionBase):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = run_fused(self.fused, rope_qk, q, k, *rope)
         recompute = self.recompute_core and self.training
         core = functools.partial(self._core, documents=documents)
         out = run_core(core, q, k, v, seq_len, recompute, self.rng, self.dropout)

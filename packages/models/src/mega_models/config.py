@@ -91,6 +91,10 @@ class GPTConfig:
     """Dropout on the attention and MLP outputs before the residual add."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities."""
+    fused_elementwise: bool = False
+    """Eager mode: the MLP activation and RoPE each run as one compiled region (one kernel
+    forward, one backward; :mod:`mega_models.fused_ops`), the rest eagerly; under a
+    whole-model ``torch.compile`` it changes nothing."""
     init_std: float = 0.02
     """Standard deviation of the normal init; output projections use init_std / sqrt(2 * num_layers)."""
     num_experts: int = 0

@@ -44,9 +44,9 @@ from mega_models.attention import AttentionBase, dropout_rng, run_core
 from mega_models.config import GPTConfig
 from mega_models.context_parallel import context_parallel_attention
 from mega_models.doc_mask import DocumentMask, document_attention
+from mega_models.fused_ops import rope_qk, run_fused
 from mega_models.norms import Norm
 from mega_models.replicated_linear import ReplicatedLinear
-from mega_models.rope import apply_rope
 from mega_tp_layers import (
     ColumnParallelLinear,
     Normal,
@@ -159,7 +159,7 @@ class MultiLatentAttention(AttentionBase):
             [self.nope, self.v_dim], dim=-1
         )
         k_rope = self._shared_rope_key(k_rope).unsqueeze(2)  # [s, b, 1, r]
-        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+        q_rope, k_rope = run_fused(self.fused, rope_qk, q_rope, k_rope, *rope)
         q = torch.cat([q_nope, q_rope], dim=-1)  # [s, b, n/tp, nope + r]
         k = torch.cat([k_nope, k_rope.expand(s, b, self.heads, self.rope_dim)], dim=-1)
         recompute = self.recompute_core and self.training

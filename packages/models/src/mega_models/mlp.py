@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from mega_models.config import GPTConfig
+from mega_models.fused_ops import activation, run_fused
 from mega_tp_layers import ColumnParallelLinear, Fp8Recipe, Normal, RowParallelLinear, ScaledNormal
 
 __all__ = ["MLP"]
@@ -38,6 +38,7 @@ class MLP(nn.Module):
         c = config
         self.swiglu = c.activation == "swiglu"
         self.activation = c.activation
+        self.fused = c.fused_elementwise
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
                   "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8,
                   "tp_comm_overlap": tp_comm_overlap}  # fmt: skip
@@ -52,14 +53,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)  # [s(/tp), b, h] -> [s, b, (2) ffn / tp]
-        if self.swiglu:
-            # unbind, not indexing: its backward writes both halves in one stacking kernel,
-            # where two selects' backwards would each fill a zero tensor and then be added
-            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
-            y = F.silu(gate) * up
-        elif self.activation == "relu2":
-            y = torch.square(F.relu(y))
-        else:
-            y = F.gelu(y, approximate="tanh")
+        y = run_fused(self.fused, activation, y, self.activation)
         out: torch.Tensor = self.fc2(y)  # -> [s(/tp), b, h]
         return out
