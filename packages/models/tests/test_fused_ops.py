@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mega_models import GPTConfig, GPTModel, model_config
-from mega_models import fused_ops
+from mega_models import GPTConfig, GPTModel, fused_ops, model_config
 from mega_models.fused_ops import activation, run_fused
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference, solo_groups
 
