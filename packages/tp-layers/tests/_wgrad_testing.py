@@ -53,6 +53,7 @@ def fused_and_split(module: nn.Module, forward: Forward, grad_out: Tensor) -> Sp
     handles = [
         p.register_post_accumulate_grad_hook(lambda _, n=n: arrived.append(n))  # type: ignore[misc]
         for n, p in module.named_parameters()
+        if p.requires_grad  # a frozen parameter takes no hook (and no gradient)
     ]
     with defer_weight_grads() as store:
         split_out, leaves = forward()

@@ -173,6 +173,32 @@ def test_no_tokens_by_vocabulary_tensor(dist_pool: DistPool, tp: int) -> None:
         assert peaks["fused"][1] <= max(per_rank * hidden, tokens * hidden), peaks
 
 
+def _integer_targets(tp: int) -> None:
+    """Token ids of any integer dtype give what torch.long ids give, bit for bit."""
+    g = init_process_groups(ParallelConfig(tp=tp)).tp
+    rank, dev = dist.get_rank(g), rank_device()
+    x, w, targets, dloss = _data(6, 4, dev)  # ignore_index 4: a uint8 holds it
+    w_shard = shard_tensor(w, 0, rank, tp)
+    results = {}
+    for dtype in (torch.long, torch.int32, torch.int16, torch.uint8):
+        xs, ws = x.clone().requires_grad_(), w_shard.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(
+            xs, ws, targets.to(dtype), g, chunk_size=4, label_smoothing=0.1, ignore_index=4
+        )
+        loss.backward(dloss)
+        assert xs.grad is not None and ws.grad is not None
+        results[dtype] = (loss.detach(), xs.grad, ws.grad)
+    for dtype, got in results.items():
+        for name, a, b in zip(("loss", "x grad", "w grad"), got, results[torch.long], strict=True):
+            assert torch.equal(a, b), f"{name} with {dtype} targets"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_integer_target_dtypes_give_the_long_targets_loss(dist_pool: DistPool, tp: int) -> None:
+    """int16 and uint8 ids raised deep in a gather kernel (int32 and int64 only)."""
+    dist_pool.run(_integer_targets, tp, args=(tp,))
+
+
 def _errors() -> dict[str, str]:
     g = init_process_groups(ParallelConfig()).tp
     x, w, t = torch.randn(4, 2, H), torch.randn(V, H), torch.randint(0, V, (4, 2))

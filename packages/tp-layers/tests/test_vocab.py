@@ -25,6 +25,7 @@ from mega_tp_layers import (
     Normal,
     VocabParallelEmbedding,
     column_parallel_linear,
+    fused_linear_cross_entropy,
     gather_full,
     init_full,
     padded_vocab_size,
@@ -182,8 +183,8 @@ def _out_of_range_targets(tp: int) -> tuple[list[float], float]:
     """Targets in the padding ([V, V_pad)), beyond it, and negative (not ignore_index)."""
     g = init_process_groups(ParallelConfig(tp=tp)).tp
     rank, dev = dist.get_rank(g), rank_device()
-    vocab = 7  # padded to 8 at tp 2 and 4
-    padded = padded_vocab_size(vocab, tp)
+    vocab = 7  # padded to 8 at tp 1, 2 and 4
+    padded = padded_vocab_size(vocab, tp, multiple_of=8 // tp)
     assert padded > vocab, "the case needs a padded vocabulary"
     logits = torch.randn(4, 1, padded, generator=torch.Generator().manual_seed(1)).to(dev)
     targets = torch.tensor([[2], [padded - 1], [padded + 5], [-3]], device=dev)
@@ -197,12 +198,70 @@ def _out_of_range_targets(tp: int) -> tuple[list[float], float]:
     return loss.flatten().tolist(), float(pad_grad.abs().max())
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [1, 2, 4])
 def test_targets_outside_the_vocabulary_give_an_infinite_loss(dist_pool: DistPool, tp: int) -> None:
+    """At every tp, tp 1's single-shard path too (where F.cross_entropy would raise)."""
     for losses, pad_grad in dist_pool.run(_out_of_range_targets, tp, args=(tp,)):
         assert math.isfinite(losses[0])
         assert losses[1:] == [math.inf] * 3  # never a finite wrong loss
         assert pad_grad == 0.0
+
+
+def _integer_targets(tp: int) -> None:
+    """Token ids of any integer dtype give what torch.long ids give, bit for bit."""
+    g = init_process_groups(ParallelConfig(tp=tp)).tp
+    rank, dev = dist.get_rank(g), rank_device()
+    gen = torch.Generator().manual_seed(2)
+    logits = (3.0 * torch.randn(S, B, V + 2, generator=gen)).to(dev)  # 12 = V padded
+    targets = torch.randint(0, V, (S, B), generator=gen).to(dev)
+    dloss = torch.rand(S, B, generator=gen).to(dev)
+    results = {}
+    for dtype in (torch.long, torch.int32, torch.int16, torch.uint8):
+        shard = shard_tensor(logits, -1, rank, tp).requires_grad_()
+        loss = vocab_parallel_cross_entropy(
+            shard, targets.to(dtype), g, label_smoothing=0.1, vocab_size=V
+        )
+        loss.backward(dloss)
+        assert shard.grad is not None
+        results[dtype] = (loss.detach(), shard.grad)
+    for dtype, (loss, grad) in results.items():
+        assert torch.equal(loss, results[torch.long][0]), f"loss with {dtype} targets"
+        assert torch.equal(grad, results[torch.long][1]), f"gradient with {dtype} targets"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_integer_target_dtypes_give_the_long_targets_loss(dist_pool: DistPool, tp: int) -> None:
+    """int32 ids (a common data-loader dtype) raised at tp 1 and worked at tp 2; int16 and
+    uint8 raised deep in a kernel at tp 2."""
+    dist_pool.run(_integer_targets, tp, args=(tp,))
+
+
+def _fractional_vocab_size(tp: int) -> list[str]:
+    """Each rank's error for a vocab_size that is not an integer (plain and fused head)."""
+    g = init_process_groups(ParallelConfig(tp=tp)).tp
+    rank, dev = dist.get_rank(g), rank_device()
+    logits = shard_tensor(torch.randn(S, B, 8), -1, rank, tp).to(dev)
+    hidden, w = torch.randn(S, B, H).to(dev), shard_tensor(torch.randn(8, H), 0, rank, tp).to(dev)
+    targets = torch.randint(0, 7, (S, B)).to(dev)
+    messages = []
+    for head in (
+        lambda: vocab_parallel_cross_entropy(logits, targets, g, vocab_size=7.5),  # type: ignore[arg-type]
+        lambda: fused_linear_cross_entropy(hidden, w, targets, g, vocab_size=7.5),  # type: ignore[arg-type]
+    ):
+        try:
+            head()
+            messages.append("no error raised")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_fractional_vocab_size_is_one_sentence_on_every_rank(dist_pool: DistPool) -> None:
+    """7.5 lay in [1, 8]: rank 1 (real columns 3.5) failed slicing while rank 0 (4) waited
+    in the MAX all-reduce for it, a hang."""
+    for messages in dist_pool.run(_fractional_vocab_size, 2, args=(2,), timeout=60):
+        for msg in messages:
+            assert "vocab_size (7.5) must lie in [1, 8] and be an integer" in msg, msg
 
 
 def _gathered_padded_head(tp: int) -> tuple[int, ...]:

@@ -139,3 +139,40 @@ def _check_embedding(tp: int, sp: bool) -> None:
 def test_embedding_split_equals_fused(dist_pool: DistPool, tp: int, sp: bool) -> None:
     """The lookup's B has nothing to do; its W is the scatter-add of the output gradient."""
     dist_pool.run(_check_embedding, tp, (tp, sp))
+
+
+def _check_data_input_and_frozen(tp: int, sp: bool, frozen: str) -> None:
+    """Column -> GELU -> Row on an input that takes no gradient, or with a frozen layer."""
+    g = init_process_groups(ParallelConfig(tp=tp)).tp
+    rank = dist.get_rank(g)
+    block = _Block(g, sp, None)
+    for name, p in block.named_parameters():
+        p.requires_grad_(not name.startswith(frozen) if frozen else True)
+    gen = torch.Generator().manual_seed(1)
+    x_full, dy_full = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+    x0 = shard_tensor(x_full, 0, rank, tp) if sp else x_full
+    dy = shard_tensor(dy_full, 0, rank, tp) if sp else dy_full
+
+    def forward() -> tuple[Tensor, dict[str, Tensor]]:
+        if frozen:  # the input takes a gradient; a layer does not
+            x = x0.clone().requires_grad_()
+            return block(x), {"x": x}
+        return block(x0), {}  # data: no gradient for the input (a stage's first layer)
+
+    run = fused_and_split(block, forward, dy)
+    assert torch.equal(run.split_out, run.fused_out)
+    trainable = {n for n, p in block.named_parameters() if p.requires_grad}
+    assert set(run.fused) - {"input x"} == trainable, sorted(run.fused)
+    for name, fused in run.fused.items():
+        assert torch.equal(run.split[name], fused), f"{name}: split != fused (tp {tp}, sp {sp})"
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True)], ids=str)
+@pytest.mark.parametrize("frozen", ["", "fc", "fc1.", "fc2.weight"], ids=repr)
+def test_split_backward_of_a_data_input_or_a_frozen_layer(
+    dist_pool: DistPool, tp: int, sp: bool, frozen: str
+) -> None:
+    """A linear fed data (no input gradient) must still get its weight gradient, and a
+    frozen one none, inside defer_weight_grads: the same gradients as the fused backward
+    (``"fc"``: every layer frozen, only the input takes a gradient)."""
+    dist_pool.run(_check_data_input_and_frozen, tp, (tp, sp, frozen))

@@ -250,7 +250,8 @@ def column_parallel_linear(
     if overlap:
         out = all_gather_linear(x, weight, bias, tp_group=tp_group, fp8=fp8)
         return gather_from_tp_region(out, tp_group) if gather_output else out
-    store = current_weight_grad_store()
+    # an input without a gradient has no B for W to follow: the backward stays fused
+    store = current_weight_grad_store() if x.requires_grad else None
     if tp == 1:
         if fp8 is not None:
             return fp8_linear(

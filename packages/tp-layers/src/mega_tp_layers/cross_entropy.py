@@ -106,13 +106,15 @@ class _VocabParallelCrossEntropy(Function):
         return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
-def check_targets_dtype(targets: Tensor, owner: str) -> None:
-    """Token ids must be integers: one sentence otherwise."""
+def check_targets_dtype(targets: Tensor, owner: str) -> Tensor:
+    """Token ids must be integers (one sentence otherwise); returned as torch.long, which
+    every kernel here indexes with (int32 or uint8 ids would work at one tp and not another)."""
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(
             f"{owner} expects integer targets, got dtype {targets.dtype}; "
             "pass a torch.long tensor of token ids"
         )
+    return targets.long()
 
 
 def check_vocab(
@@ -122,10 +124,16 @@ def check_vocab(
     held = per_rank * group_size(tp_group)
     if vocab_size is None:
         vocab_size = held
-    if not 1 <= vocab_size <= held:
+    # an integer: a fractional size would pass the range check and split the ranks (each
+    # rank's real columns are computed from it: rank 0 would enter the all-reduce alone)
+    if (
+        isinstance(vocab_size, bool)
+        or not isinstance(vocab_size, int)
+        or not 1 <= vocab_size <= held
+    ):
         raise ValueError(
-            f"vocab_size ({vocab_size}) must lie in [1, {held}], the vocabulary the shards "
-            f"hold ({per_rank} per rank x tp {group_size(tp_group)})"
+            f"vocab_size ({vocab_size!r}) must lie in [1, {held}] and be an integer, the "
+            f"vocabulary the shards hold ({per_rank} per rank x tp {group_size(tp_group)})"
         )
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing ({label_smoothing}) must lie in [0, 1]")
@@ -151,7 +159,7 @@ def vocab_parallel_cross_entropy(
     including ``label_smoothing`` (spread over the real vocabulary) and ``ignore_index``
     (loss and gradient 0). Computed in fp32 whatever the logits' dtype.
     """
-    check_targets_dtype(targets, "vocab_parallel_cross_entropy")
+    targets = check_targets_dtype(targets, "vocab_parallel_cross_entropy")
     if logits_shard.dim() < 1 or tuple(logits_shard.shape[:-1]) != tuple(targets.shape):
         raise ValueError(
             f"logits shard shape {tuple(logits_shard.shape)} does not match targets shape "
@@ -163,11 +171,13 @@ def vocab_parallel_cross_entropy(
         # one rank holds the whole vocabulary: the library's fused kernel, which the
         # compiler can also fuse with the output projection (no fp32 copy of the logits)
         full = logits_shard[..., :vocab_size].float()
+        # a target outside the vocabulary: +inf, as at tp > 1 (the kernel would raise)
+        _, _, bad = target_columns(targets, 0, vocab_size, vocab_size, ignore_index)
         flat = F.cross_entropy(
-            full.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=ignore_index,
-            reduction="none", label_smoothing=float(label_smoothing),
+            full.reshape(-1, vocab_size), targets.masked_fill(bad, ignore_index).reshape(-1),
+            ignore_index=ignore_index, reduction="none", label_smoothing=float(label_smoothing),
         )  # fmt: skip
-        return flat.view(targets.shape)
+        return flat.view(targets.shape).masked_fill(bad, float("inf"))
     loss: Tensor = _VocabParallelCrossEntropy.apply(
         logits_shard, targets, tp_group, float(label_smoothing), ignore_index, vocab_size
     )

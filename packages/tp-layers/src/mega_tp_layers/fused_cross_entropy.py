@@ -173,7 +173,7 @@ def fused_linear_cross_entropy(
         raise ValueError(
             f"chunk_size ({chunk_size!r}) must be a positive number of tokens, e.g. 4096"
         )
-    check_targets_dtype(targets, "fused_linear_cross_entropy")
+    targets = check_targets_dtype(targets, "fused_linear_cross_entropy")
     tp = group_size(tp_group)
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(

@@ -369,7 +369,8 @@ class RowParallelLinear(ShardedModule):
             return result
         bias = None if self.skip_bias_add else self.bias
         fp8 = self.fp8
-        store = current_weight_grad_store()
+        # an input without a gradient has no B for W to follow: the backward stays fused
+        store = current_weight_grad_store() if x.requires_grad else None
         delayed = delayed_for(self.fp8_amax, x)
         w8 = cached_fp8_weight(self.fp8_weight, self.weight, fp8, group)  # a weight cache's
         if tp == 1:

@@ -20,8 +20,10 @@ vocab-parallel embedding (its backward is all W), mega-models' norms and mega-mo
 experts. Any other module keeps its fused backward inside the context (a pipeline
 schedule treats it as B+W fused): the ``tp_comm_overlap`` rings, Transformer Engine
 layers, and parameters used directly (a learned position table, a router's weight,
-Mamba's conv1d, ``A``/``D``/``dt`` and gated norm). The store knows nothing of the
-layers: each queues a closure and the parameters its results belong to.
+Mamba's conv1d, ``A``/``D``/``dt`` and gated norm), and a linear whose input carries no
+gradient (a stage's first layer fed data: its backward would have no B to hang W on).
+The store knows nothing of the layers: each queues a closure and the parameters its
+results belong to; a frozen parameter (``requires_grad`` off) gets no gradient from it.
 """
 
 from __future__ import annotations
@@ -85,13 +87,18 @@ class WeightGradStore:
 def _sum_by_param(
     pending: list[tuple[WeightGradFn, tuple[Tensor | None, ...]]],
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """Each parameter once, with the sum of the gradients the queued passes computed for it."""
+    """Each parameter once, with the sum of the gradients the queued passes computed for it.
+
+    A frozen parameter (``requires_grad`` off) takes no gradient, as in the fused backward;
+    a pass whose parameters are all frozen is not computed."""
     grads: dict[int, tuple[Tensor, Tensor]] = {}
     for compute, params in pending:
+        if not any(p is not None and p.requires_grad for p in params):
+            continue
         with torch.no_grad():  # the gradients are values; autograd only accumulates them
             values = compute()
         for param, grad in zip(params, values, strict=True):
-            if param is None or grad is None:
+            if param is None or grad is None or not param.requires_grad:
                 continue
             seen = grads.get(id(param))
             grads[id(param)] = (param, grad if seen is None else seen[1] + grad)
@@ -167,7 +174,14 @@ class _SplitLinear(Function):
 
 
 def split_linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore) -> Tensor:
-    """``F.linear(x, weight, bias)`` whose weight and bias gradients ``store`` computes later."""
+    """``F.linear(x, weight, bias)`` whose weight and bias gradients ``store`` computes later.
+
+    An input that carries no gradient (a stage's first layer fed data) gives the plain
+    ``F.linear``: with nothing to differentiate in B, the split backward would never run
+    and the weight would get no gradient, so its backward stays fused.
+    """
+    if not x.requires_grad:
+        return F.linear(x, weight, bias)
     out = _SplitLinear.apply(
         x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), store
     )
