@@ -38,6 +38,7 @@ from mega_pretrain.ckpt.meta import (
     dcp_cause,
     dcp_failure,
     gather_objects,
+    join_label,
     layout_of,
     local_params,
     model_key,
@@ -119,7 +120,7 @@ def _sources(path: Path, lp: LocalParam, m: dict[str, Any]) -> tuple[int | None,
     if old_dim is not None:
         old_shape[old_dim] //= n_old
     if not lp.shape:  # a scalar parameter
-        return None, [_Source("", (), (0, 0), (0, 0))]
+        return None, [_Source(lp.inner, (), (0, 0), (0, 0))]
     dim = lp.dim if lp.dim is not None else old_dim if old_dim is not None else 0
     rows = lp.shape[dim]
     want = (0, rows)
@@ -128,8 +129,9 @@ def _sources(path: Path, lp: LocalParam, m: dict[str, Any]) -> tuple[int | None,
         start = lp.shard_rank * per
         want = (start, max(start, min(start + per, rows)))
     saved_rows = m["padded_shape"][dim] if old_dim is not None else rows
+    outer = [shard_label(i, n_old) if old_dim is not None else "" for i in range(n_old)]
     return dim, [
-        _Source(shard_label(i, n_old) if old_dim is not None else "", tuple(old_shape), src, dst)
+        _Source(join_label(lp.inner, outer[i]), tuple(old_shape), src, dst)
         for i, src, dst in row_overlaps(saved_rows, n_old, rows, want)
     ]
 
@@ -304,6 +306,13 @@ def _check(path: Path, meta: dict[str, Any], params: list[LocalParam], built: Bu
                 f"parameter {lp.path!r} of this model is not in checkpoint {path}; load a "
                 "checkpoint of the same model"
             )
+        saved_etp = m.get("etp", 1)
+        if saved_etp != lp.etp:
+            raise CheckpointError(
+                f"stacked expert weight {lp.path!r} is split over etp {saved_etp} in checkpoint "
+                f"{path} but over etp {lp.etp} here, and such weights do not reshard across "
+                f"etp; resume with parallel.etp {saved_etp}"
+            )
         if tuple(m["shape"]) != lp.shape:
             raise CheckpointError(
                 f"parameter {lp.path!r} has shape {tuple(m['shape'])} in checkpoint {path} but "
@@ -381,8 +390,9 @@ def load_checkpoint(path: Path, built: Built, groups: ProcessGroups) -> dict[str
     """Load checkpoint folder ``path`` into ``built``, whatever layout it was saved at.
 
     Collective over all ranks. Weights and optimizer state are resharded to this run's tp,
-    pp, vpp, dp and cp; RNG states are restored only when the layout and world size are the
-    saved ones (else the current ones stay). Returns the saved trainer state plus
+    pp, vpp, dp, cp and ep (stacked expert weights, GroupedMLP's, only at their saved etp:
+    another etp is refused in one sentence); RNG states are restored only when the layout
+    and world size are the saved ones (else the current ones stay). Returns the saved trainer state plus
     ``rng_restored`` (bool). Raises CheckpointError, on every rank, when the checkpoint is
     missing, damaged or of another model (the weights may then be partly overwritten). Every
     file is checked against its saved CRC-32 first (the ranks share the files), or for

@@ -9,7 +9,9 @@ A checkpoint is a folder ``<run_dir>/checkpoints/step_<step:08d>`` with
 * torch.distributed.checkpoint files (``.metadata``, ``__<rank>_0.distcp``) with the tensors
   keyed ``model/<path>`` (replicated over tp), ``model/<path>/tp<r>of<n>`` (a tp shard) and
   ``optim/<path>[/tp<r>of<n>]/<start>-<end>/<field>`` (a dp rank's piece of the flattened
-  local shard: ``master``, ``exp_avg``, ``exp_avg_sq``, scalar ``step``);
+  local shard: ``master``, ``exp_avg``, ``exp_avg_sq``, scalar ``step``); a stacked expert
+  weight (GroupedMLP: split over ep on dim 0, cut over etp inside) puts ``etp<t>of<T>/``
+  before its ``tp<r>of<n>`` (its meta.json entry records ``etp``; its shape is one slice);
 * ``rng/rank<r>.pt``: each rank's RNG states (tensors only).
 
 Nothing here runs collectives; everything that reads a file raises :class:`CheckpointError`
@@ -29,6 +31,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
 
+from mega_moe import expert_shard
 from mega_parallel_grid import ProcessGroups
 from mega_pretrain.build import Built
 from mega_tp_layers import ColumnParallelLinear, VocabParallelEmbedding, shard_spec
@@ -46,6 +49,7 @@ __all__ = [
     "dcp_failure",
     "earlier_checkpoint",
     "gather_objects",
+    "join_label",
     "latest_checkpoint",
     "latest_in",
     "layout_of",
@@ -159,11 +163,28 @@ class LocalParam:
     """Full shape without vocabulary padding."""
     padded_shape: tuple[int, ...]
     """Full shape with vocabulary padding (what the shards split)."""
+    expert: bool = False
+    """An expert parameter: its optimizer state is split over edp, not over dp."""
+    etp: int = 1
+    """etp slices of a stacked expert weight (GroupedMLP): its ``shape`` is one slice, the
+    ep split of ``dim`` 0 is described by the fields above, the etp split by this."""
+    etp_rank: int = 0
+
+    @property
+    def inner(self) -> str:
+        """The key part naming this rank's etp slice of a stacked expert weight, or empty."""
+        return f"etp{self.etp_rank}of{self.etp}" if self.etp > 1 else ""
 
     @property
     def label(self) -> str:
-        """The key part of this rank's tp shard; empty when replicated over tp."""
-        return "" if self.dim is None else shard_label(self.shard_rank, self.num_shards)
+        """The key part of this rank's shard; empty when replicated over tp."""
+        outer = "" if self.dim is None else shard_label(self.shard_rank, self.num_shards)
+        return join_label(self.inner, outer)
+
+
+def join_label(inner: str, outer: str) -> str:
+    """A shard's key part: the etp slice (if any), then the split of ``dim``."""
+    return f"{inner}/{outer}" if inner and outer else inner or outer
 
 
 def _real_rows(chunk: nn.Module) -> dict[str, int]:
@@ -209,7 +230,14 @@ def local_params(built: Built) -> list[LocalParam]:
             shape = list(padded)
             if path in real and dim == 0:
                 shape[0] = real[path]
-            out.append(LocalParam(path, opt_names.get(id(p)), p, dim, n, r, tuple(shape), padded))
+            expert = expert_shard(p)
+            # a stacked expert weight's spec describes its ep split only: the etp slice
+            # (same spec, other values on each etp rank) is named in its keys
+            etp, etp_rank = (expert.etp, expert.etp_rank) if expert and expert.stacked else (1, 0)
+            out.append(LocalParam(
+                path, opt_names.get(id(p)), p, dim, n, r, tuple(shape), padded,
+                expert=expert is not None, etp=etp, etp_rank=etp_rank,
+            ))  # fmt: skip
     return out
 
 
@@ -294,6 +322,11 @@ def cover_range(
 
 def read_meta(path: Path) -> dict[str, Any]:
     """The parsed meta.json of checkpoint folder ``path`` (CheckpointError if unusable)."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint folder; pass the folder written by "
+            f"save_checkpoint (<run_dir>/checkpoints/step_NNNNNNNN), e.g. {path.parent}"
+        )
     if not path.is_dir():
         raise CheckpointError(
             f"checkpoint folder {path} does not exist; pass a folder written by save_checkpoint "
@@ -301,6 +334,9 @@ def read_meta(path: Path) -> dict[str, Any]:
         )
     file = path / META_FILE
     if not file.is_file():
+        written = STEP_DIR.match(path.name.removesuffix(".tmp")) or any(path.glob("*.distcp"))
+        if not written:  # a run folder passed for its checkpoint, or some other folder
+            raise CheckpointError(_not_a_checkpoint(path))
         raise CheckpointError(
             f"checkpoint folder {path} has no {META_FILE}, so its save did not finish; "
             "load an earlier checkpoint"
@@ -333,6 +369,31 @@ def read_meta(path: Path) -> dict[str, Any]:
             "earlier one"
         )
     return meta
+
+
+def _not_a_checkpoint(path: Path) -> str:
+    """The sentence for a folder without meta.json that is not named like a checkpoint."""
+    for root in (path / "checkpoints", path):
+        holds_steps = root.is_dir() and any(STEP_DIR.match(p.name) for p in root.iterdir())
+        if not holds_steps and not (root / LATEST_FILE).is_file():
+            continue
+        try:
+            found = latest_in(root) or newest_checkpoint(root)
+        except CheckpointError:
+            found = newest_checkpoint(root)
+        way = (
+            f"pass a checkpoint folder such as {found}"
+            if found is not None
+            else "it holds no complete checkpoint, so start fresh with --checkpoint.load none"
+        )
+        return (
+            f"{path} is a run or checkpoints folder, not a checkpoint folder (it has no "
+            f"{META_FILE}); {way}"
+        )
+    return (
+        f"{path} has no {META_FILE}, so it is not a checkpoint folder; pass a folder written "
+        "by save_checkpoint (<run_dir>/checkpoints/step_NNNNNNNN)"
+    )
 
 
 def newest_checkpoint(root: Path, below: int | None = None) -> Path | None:

@@ -69,23 +69,33 @@ def _local_index(
         fields = ["master", *pieces[0]["state"]] if pieces else []
         entries[lp.path] = {
             "shape": list(lp.shape), "padded_shape": list(lp.padded_shape), "dim": lp.dim,
-            "num_shards": lp.num_shards, "label": lp.label,
+            "num_shards": lp.num_shards, "label": lp.label, "expert": lp.expert, "etp": lp.etp,
             "dtype": str(lp.param.dtype).removeprefix("torch."), "trained": lp.opt_name is not None,
             "fields": fields, "pieces": [[p["start"], p["end"]] for p in pieces],
         }  # fmt: skip
     return {"pp": groups.rank("pp"), "tp": groups.rank("tp"), "params": entries}
 
 
+def _holder(pp: int, tp: int, expert: bool) -> tuple[int, int]:
+    """Which replica of a parameter a rank's optimizer pieces belong to.
+
+    A dense parameter's state is split over the dp (and cp) ranks of one (pp, tp) pair. An
+    expert parameter's is split over edp, which spans tp ranks when etp < tp: every rank
+    holding the same expert shard is one replica, so all of them save their pieces.
+    """
+    return (pp, 0) if expert else (pp, tp)
+
+
 def _canonical(indices: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[int, int]]:
-    """(path, tp label) -> the (pp, tp) ranks whose dp ranks save its optimizer pieces.
+    """(path, label) -> the replica (``_holder``) whose ranks save its optimizer pieces.
 
     Replicas (a norm weight on every tp rank, a tied embedding on the first and the last
     stage) hold equal values cut into different pieces; one replica's pieces are saved.
     """
     best: dict[tuple[str, str], tuple[int, int]] = {}
     for index in indices:
-        holder = (index["pp"], index["tp"])
         for path, entry in index["params"].items():
+            holder = _holder(index["pp"], index["tp"], entry["expert"])
             key = (path, entry["label"])
             best[key] = min(best.get(key, holder), holder)
     return best
@@ -104,7 +114,8 @@ def _tensors(
         if key in out:
             continue
         out[key] = lp.param.detach()
-        if lp.opt_name is None or canonical[(lp.path, lp.label)] != mine:
+        holder = _holder(*mine, lp.expert)
+        if lp.opt_name is None or canonical[(lp.path, lp.label)] != holder:
             continue
         for piece in opt_state["params"][lp.opt_name]["pieces"]:
             prefix = optim_prefix(lp.path, lp.label, piece["start"], piece["end"])
@@ -124,13 +135,15 @@ def _meta(
 ) -> dict[str, Any]:
     params: dict[str, dict[str, Any]] = {}
     for index in indices:
-        holder = (index["pp"], index["tp"])
         for path, e in index["params"].items():
+            holder = _holder(index["pp"], index["tp"], e["expert"])
             entry = params.setdefault(path, {
                 "shape": e["shape"], "padded_shape": e["padded_shape"], "dim": e["dim"],
                 "num_shards": e["num_shards"], "dtype": e["dtype"], "trained": e["trained"],
                 "fields": [], "model_keys": [], "optim": {},
             })  # fmt: skip
+            if e["etp"] > 1:  # a stacked expert weight: one entry per etp slice of it
+                entry["etp"] = e["etp"]
             assert entry["shape"] == e["shape"] and entry["dim"] == e["dim"], path
             key = model_key(path, e["label"])
             if key not in entry["model_keys"]:
