@@ -21,7 +21,13 @@ import torch
 
 from mega_parallel_grid import init_process_groups
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device
-from mega_pretrain.build import build, gpt_config, parallel_config, param_dtype
+from mega_pretrain.build import (
+    build,
+    flat_optimizer_kernel,
+    gpt_config,
+    parallel_config,
+    param_dtype,
+)
 from mega_pretrain.config import TrainerConfig, load_config
 from mega_pretrain.step import StepRunner
 from mega_pretrain.validate import check_config
@@ -154,6 +160,17 @@ def test_optimizer_kernel_checked_when_built_in_python() -> None:
         train=dataclasses.replace(config.train, optimizer_kernel="triton"),  # type: ignore[arg-type]
     )
     with pytest.raises(
-        ValueError, match=r"^train.optimizer_kernel \('triton'\) must be 'torch' or 'flat'$"
+        ValueError, match=r"^train.optimizer_kernel \('triton'\) must be 'auto', 'torch' or 'flat'$"
     ):
         check_config(bad, gpt_config(bad), world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "device", "offload", "flat"),
+    [("auto", "cuda", False, True), ("auto", "cuda", True, False), ("auto", "cpu", False, False),
+     ("flat", "cpu", False, True), ("torch", "cuda", False, False)],
+)  # fmt: skip
+def test_auto_is_flat_on_cuda_without_offload(
+    kernel: str, device: str, offload: bool, flat: bool
+) -> None:
+    assert flat_optimizer_kernel(kernel, torch.device(device), offload) is flat

@@ -76,3 +76,12 @@ def test_inside_a_compiled_model_nothing_is_compiled_twice() -> None:
     assert fused_ops._compiled.cache_info().currsize == 0  # traced into step's graph
     assert_close_to_reference(out, step(y), reduction_length=1, name="compiled step")
     assert fused_ops._compiled.cache_info().currsize == 1  # eager: its own region
+
+
+def test_default_fuses_on_cuda_only() -> None:
+    """None (the default) fuses CUDA tensors; a CPU run compiles nothing."""
+    fused_ops._compiled.cache_clear()
+    y = torch.randn(4, 8)
+    assert model_config("tiny").fused_elementwise is None
+    assert torch.equal(run_fused(None, activation, y, "swiglu"), activation(y, "swiglu"))
+    assert fused_ops._compiled.cache_info().currsize == 0

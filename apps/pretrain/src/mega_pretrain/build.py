@@ -35,6 +35,7 @@ __all__ = [
     "Built",
     "ModelChunk",
     "build",
+    "flat_optimizer_kernel",
     "gpt_config",
     "parallel_config",
     "param_dtype",
@@ -101,6 +102,14 @@ def gpt_config(config: TrainerConfig) -> GPTConfig:
     (:func:`mega_models.spec.resolve_model`: a GPT size given ``model.pattern`` becomes the
     hybrid of that size's dimensions)."""
     return resolve_model_config(config)
+
+
+def flat_optimizer_kernel(kernel: str, device: torch.device, optimizer_offload: bool) -> bool:
+    """Whether ``train.optimizer_kernel`` steps through the flat kernel: ``flat``, or
+    ``auto`` on CUDA without the host offload (where it measured 1.021x, see the config)."""
+    if kernel == "auto":
+        return device.type == "cuda" and not optimizer_offload
+    return kernel == "flat"
 
 
 def param_dtype(config: TrainerConfig, device: torch.device | None = None) -> torch.dtype:
@@ -189,7 +198,7 @@ def build(config: TrainerConfig, groups: ProcessGroups, device: torch.device) ->
         # the host update overlaps the next forward, unless a stage reads a weight outside
         # the module whose pre-hook waits for it (a tied weight split over pp)
         overlap_host_update=p.optimizer_offload and not tied_across_stages,
-        flat_fused=t.optimizer_kernel == "flat",
+        flat_fused=flat_optimizer_kernel(t.optimizer_kernel, device, p.optimizer_offload),
     )  # fmt: skip
     return Built(
         chunks, ddp, optimizer, rng, expert_ddp, packing_for(config),

@@ -231,15 +231,16 @@ class TrainConfig:
     bytes a parameter held). Bit for bit what requantising gives; it pays when a step has
     several micro-batches: on an H100, `1b-bench` at mb 1 x 8 ran 332.4 ms a step against
     375.8 uncached (bench/RESULTS.md, 2026-12-06; before the transpose was kept too)."""
-    optimizer_kernel: Literal["torch", "flat"] = "torch"
+    optimizer_kernel: Literal["auto", "torch", "flat"] = "auto"
     """The AdamW update: ``torch``, torch's fused multi-tensor kernel, then each fp32 master
     shard copied into the bf16/fp16 parameters; ``flat``, one streaming kernel of the
     project's own per run of a shard's parameters (Triton on a GPU, the same torch ops
     elsewhere) that updates master and moments and writes the low-precision parameter in
     the same pass (``mega_zero_optim`` ``flat_fused``; the moments live in one flat buffer a
-    shard, the checkpoint format is unchanged). Not with ``parallel.optimizer_offload``. On
-    an H100 torch's path took ~20 ms a ``1b-bench`` step where its bytes need ~13
-    (bench/RESULTS.md, 2026-12-07); the flat kernel has not been timed on a GPU yet."""
+    shard, the checkpoint format is unchanged); not with ``parallel.optimizer_offload``.
+    ``auto``: ``flat`` on CUDA without the offload, else ``torch``. On an H100 the flat
+    kernel took the compiled ``1b-bench`` step from 278.1 to 272.5 ms (1.021x;
+    bench/RESULTS.md, 2026-12-07, fifteenth session)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     compile: bool = False

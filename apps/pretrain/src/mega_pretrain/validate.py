@@ -120,9 +120,9 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
         raise ValueError(f"train.fp8_weight_cache ({t.fp8_weight_cache!r}) must be true or false")
     if t.fp8_weight_cache:
         _check_fp8_weight_cache(config)
-    if t.optimizer_kernel not in ("torch", "flat"):
+    if t.optimizer_kernel not in ("auto", "torch", "flat"):
         raise ValueError(
-            f"train.optimizer_kernel ({t.optimizer_kernel!r}) must be 'torch' or 'flat'"
+            f"train.optimizer_kernel ({t.optimizer_kernel!r}) must be 'auto', 'torch' or 'flat'"
         )
     if t.optimizer_kernel == "flat" and p.optimizer_offload:
         raise ValueError(

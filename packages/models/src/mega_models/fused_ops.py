@@ -3,7 +3,7 @@
 An eager step runs each elementwise op as its own kernel: SwiGLU is a SiLU and a product
 forward (two full reads and writes of the ``[tokens, 2 ffn]`` activation where one would
 do) and four kernels backward, RoPE five kernels for q and five for k. With
-``GPTConfig.fused_elementwise`` each runs as one ``torch.compile`` region (Inductor writes one
+``GPTConfig.fused_elementwise`` (by default on CUDA) each runs as one ``torch.compile`` region (Inductor writes one
 kernel for its forward and one for its backward), as Megatron-core's ``jit_fuser`` does for
 its bias-activation fusions, while the rest of the model stays eager. Under a whole-model
 ``torch.compile`` the plain functions are traced into the model's graph instead, so nothing
@@ -52,9 +52,13 @@ def _compiled(fn: _F) -> _F:
     return torch.compile(fn)  # type: ignore[return-value]
 
 
-def run_fused(fuse: bool, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, as a compiled region when ``fuse`` and not already inside a compiled
-    graph (where ``fn`` is traced into that graph)."""
+def run_fused(fuse: bool | None, fn: Callable[..., Any], *args: Tensor | str) -> Any:
+    """``fn(*args)``, as a compiled region when ``fuse`` (None: when the first argument is
+    a CUDA tensor) and not already inside a compiled graph (where ``fn`` is traced into
+    that graph)."""
+    if fuse is None:
+        first = args[0]
+        fuse = isinstance(first, Tensor) and first.is_cuda
     if not fuse or torch.compiler.is_compiling():
         return fn(*args)
     return _compiled(fn)(*args)

@@ -36,6 +36,12 @@ def _aligned(t: Tensor, *dims: int) -> bool:
     return torch.compiler.is_compiling() or t.data_ptr() % 16 == 0
 
 
+#: torch's CPU grouped GEMM came with 2.9. Read once here: Dynamo in torch 2.11 cannot
+#: trace ``TorchVersion`` (a str subclass), and under ``fullgraph`` the check inside the
+#: layer failed the compile on CPU
+_CPU_GROUPED_MM = TorchVersion(torch.__version__) >= "2.9"
+
+
 def grouped_mm_available(x: Tensor, *weights: Tensor) -> bool:
     """True when ``torch._grouped_mm`` runs here for ``x [M, in]`` and ``[L, out, in]`` weights."""
     if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
@@ -47,7 +53,7 @@ def grouped_mm_available(x: Tensor, *weights: Tensor) -> bool:
     elif x.device.type == "cpu":
         if x.dtype not in (torch.float32, torch.bfloat16):
             return False
-        if TorchVersion(torch.__version__) < "2.9":
+        if not _CPU_GROUPED_MM:
             return False
     else:
         return False

