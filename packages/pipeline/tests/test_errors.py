@@ -233,20 +233,20 @@ def test_loss_func_logs_that_are_not_tensors_are_one_sentence() -> None:
         out = chunk(torch.ones(2, 4))
         return out, lambda o: (o.pow(2).mean(), [o.mean()])
 
-    run = forward_backward_no_pipelining
-    model = nn.Linear(4, 4)
-    assert _message(
-        lambda: run(forward_step=logs_float, data_iterator=None, model=model, num_microbatches=1)
-    ) == (
+    def message(step: Callable[[Any, StageChunk], Any]) -> str:
+        return _message(
+            lambda: forward_backward_no_pipelining(
+                forward_step=step, data_iterator=None, model=nn.Linear(4, 4), num_microbatches=1
+            )
+        )
+
+    messages = [message(logs_float), message(logs_list)]
+    assert messages == [
         "TypeError: loss_func logged values that are not tensors ({'acc': 'float'}); log each "
-        "as a tensor, e.g. torch.tensor(value) or loss.detach()"
-    )
-    assert _message(
-        lambda: run(forward_step=logs_list, data_iterator=None, model=model, num_microbatches=1)
-    ) == (
+        "as a tensor, e.g. torch.tensor(value) or loss.detach()",
         "TypeError: loss_func returned (loss, list); the values to log must be a dict "
-        "{name: tensor}"
-    )
+        "{name: tensor}",
+    ]
 
 
 def _broadcast_bad_records() -> str:
@@ -276,7 +276,7 @@ def test_broadcast_losses_bad_records_fail_on_every_rank(dist_pool: DistPool) ->
 
 
 def _broadcast_one_rank() -> list[str]:
-    group = dist.new_group([0])
+    group = _group()
     losses = [{"loss": torch.tensor([1.5], dtype=torch.bfloat16), "n": torch.tensor(3)}]
     shared = broadcast_losses(losses, group, device="cpu")
     bad = [{"loss": torch.tensor(1.0)}, {"acc": torch.tensor(1.0)}]
