@@ -36,6 +36,7 @@ from mega_models.hf.moe import (
 
 __all__ = [
     "HF_ARCHITECTURES",
+    "HF_DEFAULTS",
     "OWNED_KEYS",
     "HFLayout",
     "check_base_config",
@@ -63,6 +64,24 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 
 HFSource = str | os.PathLike[str] | Mapping[str, Any]
+
+#: What ``transformers`` takes for a key a config.json leaves out where the bridge's general
+#: default would differ (the key's value when given, ``null`` included, always wins).
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    MIXTRAL: {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    QWEN3: {"head_dim": 128},
+    QWEN2_MOE: {"shared_expert_intermediate_size": 5632},
+    DEEPSEEK_V3: {
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+        "first_k_dense_replace": 3, "num_nextn_predict_layers": 1,
+    },
+}  # fmt: skip
+#: Keys with no default worth taking: a config.json without one is refused.
+_REQUIRED = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -133,10 +152,23 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
     return str(name)
 
 
+def _completed(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """``cfg`` with the keys it leaves out filled as ``transformers`` fills them
+    (:data:`HF_DEFAULTS`); one sentence if a shape key is missing."""
+    missing = [key for key in _REQUIRED if cfg.get(key) is None]
+    if missing:
+        raise ValueError(
+            f"the {arch} config has no {', '.join(missing)}; pass the complete config.json "
+            "the checkpoint was saved with"
+        )
+    return {**HF_DEFAULTS.get(arch, {}), **cfg}
+
+
 def hf_layout(source: HFSource) -> HFLayout:
     """The architecture and bias layout of a Hugging Face config."""
     cfg = read_hf_config(source)
     arch = _architecture(cfg)
+    cfg = _completed(cfg, arch)
     if arch == "Qwen2ForCausalLM":
         return HFLayout(arch, qkv_bias=True, proj_bias=False, mlp_bias=False)
     if arch == "LlamaForCausalLM":
@@ -165,12 +197,17 @@ def hf_layout(source: HFSource) -> HFLayout:
     return HFLayout(arch, qkv_bias=False, proj_bias=False, mlp_bias=False)
 
 
+def _rope_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters as ``transformers`` 5 takes them: ``rope_scaling`` (the 4.x key)
+    wins over ``rope_parameters`` when both are given."""
+    return dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+
+
 def _rope(cfg: Mapping[str, Any]) -> tuple[float, str]:
     """(theta, rope type) from either config layout."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
+    params = _rope_dict(cfg)
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    kind = params.get("rope_type") or params.get("type") or "default"
     return float(theta), str(kind)
 
 
@@ -194,7 +231,9 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
     over the whole causal context, which is the same up to the window). Q/K/V-only biases
     (Qwen2, Qwen2-MoE) give ``qkv_bias``; any other bias gives ``add_bias``. Qwen3 gives
     ``qk_norm``, and so does Qwen3-MoE; their ``attention_bias`` must be false (no Qwen3
-    checkpoint has one).
+    checkpoint has one). A key the config leaves out reads as ``transformers`` reads it
+    (:data:`HF_DEFAULTS`: Mixtral's eps and theta, Qwen3's ``head_dim`` 128, DeepSeek-V3's
+    ranks and routing); a config without one of the shape keys fails in one sentence.
     """
     cfg = read_hf_config(source)
     if (cfg.get("architectures") or [None])[0] == "NemotronHForCausalLM":  # HybridConfig
@@ -203,6 +242,7 @@ def gpt_config_from_hf(source: HFSource) -> GPTConfig:
         return nemotron_h_config_from_hf(cfg)
     layout = hf_layout(cfg)
     arch = layout.architecture
+    cfg = _completed(cfg, arch)
     if arch in QK_NORM_ARCHITECTURES and cfg.get("attention_bias", False):
         raise ValueError(
             f"attention_bias ({cfg['attention_bias']!r}) of {arch} is not supported; "
@@ -429,6 +469,8 @@ def hf_config_from_gpt(
         out.update(hf_deepseek_keys(config, out))
     if base is not None:
         _keep_base_spelling(out, base, config.num_layers)
+        if "rope_scaling" not in base:  # a transformers 5 config: its readers take rope_parameters
+            out.pop("rope_scaling", None)
     return out
 
 

@@ -89,7 +89,7 @@ def _check_flags(cfg: Mapping[str, Any]) -> None:
 
 def _rope_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """GPTConfig's YaRN fields (none for plain rope)."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})  # as transformers 5
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return {}
@@ -192,7 +192,8 @@ def hf_deepseek_keys(config: GPTConfig, base: Mapping[str, Any]) -> dict[str, An
     """The config.json keys of ``config``'s attention, experts and MTP as DeepSeek-V3.
 
     ``base`` is the config being written: its ``rope_interleave`` (how the rope rows are
-    stored; default true, as DeepSeek ships them) is kept, and the tensors written so."""
+    stored; default true, as DeepSeek ships them) is kept, and the tensors written so.
+    YaRN is written as ``rope_parameters`` (transformers 5) and ``rope_scaling`` (4.x)."""
     c = config
     assert c.kv_lora_rank and c.qk_nope_head_dim and c.qk_rope_head_dim and c.v_head_dim
     out: dict[str, Any] = {
@@ -224,4 +225,6 @@ def hf_deepseek_keys(config: GPTConfig, base: Mapping[str, Any]) -> dict[str, An
             if value is not None:
                 params[key] = value
         out["rope_parameters"] = params
+        # transformers 4.x reads YaRN from rope_scaling only (5.x reads it first)
+        out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
     return out

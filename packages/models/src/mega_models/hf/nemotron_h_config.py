@@ -131,7 +131,7 @@ def nemotron_h_config_from_hf(cfg: Mapping[str, Any]) -> HybridConfig:
     expand = int(_get(cfg, "expand", 2))
     inner = int(cfg.get("mamba_num_heads", 128)) * int(cfg.get("mamba_head_dim", 64))
     dt_min = float(_get(cfg, "time_step_min", 0.001))
-    kv = cfg.get("num_key_value_heads")
+    kv = cfg.get("num_key_value_heads", 8)  # transformers' default when the key is absent
     try:
         return HybridConfig(
             vocab_size=int(cfg.get("vocab_size", 131072)), hidden_size=hidden,
