@@ -3,9 +3,10 @@
 An eager step runs each elementwise op as its own kernel: SwiGLU is a SiLU and a product
 forward (two full reads and writes of the ``[tokens, 2 ffn]`` activation where one would
 do) and four kernels backward, RoPE five kernels for q and five for k. With
-``GPTConfig.fused_elementwise`` (by default on CUDA) each runs as one ``torch.compile`` region (Inductor writes one
-kernel for its forward and one for its backward), as Megatron-core's ``jit_fuser`` does for
-its bias-activation fusions, while the rest of the model stays eager. Under a whole-model
+``GPTConfig.fused_elementwise`` (by default on CUDA) each runs as one ``torch.compile``
+region (Inductor writes one kernel for its forward and one for its backward), as
+Megatron-core's ``jit_fuser`` does for its bias-activation fusions, while the rest of the
+model stays eager. Under a whole-model
 ``torch.compile`` the plain functions are traced into the model's graph instead, so nothing
 is compiled twice. The regions compute what the plain functions do up to the rounding of
 reordered elementwise arithmetic.
