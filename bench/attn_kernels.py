@@ -7,10 +7,14 @@ On the GPU machine, from the repository root (one GPU; the table prints last):
 
     export PYTHONPATH=$(ls -d packages/*/src apps/*/src | paste -sd:)
     python3 bench/attn_kernels.py                    # 1b-bench: b 8, 16 heads of 128, s 2048
+    python3 bench/attn_kernels.py --batch 2 --head-dim 192 --v-head-dim 128 \
+        --kernels flash-pad,cudnn,efficient          # deepseek-v3-3b's MLA at mb 2
 
-FLOPs of causal attention, forward: ``2 * 2 * b * h * s^2 * d / 2`` (QK^T and PV, half the
-square); forward + backward: 3.5x the forward (backward recomputes QK^T and does four more
-products of that size: 2.5x). With $OUT set, the rows also go to $OUT/attn_kernels.json.
+FLOPs of causal attention, forward: ``2 * b * h * s^2 * (d_qk + d_v) / 2`` (QK^T and PV,
+half the square); forward + backward: 3.5x the forward (backward recomputes QK^T and does
+four more products of that size: 2.5x). Values narrower than the queries (MLA): a kernel
+named ``<kernel>-pad`` zero-pads them to the qk dim and slices the output back, as
+``mega_models.mla.latent_sdpa`` does (its FLOPs are still counted at the true ``d_v``). With $OUT set, the rows also go to $OUT/attn_kernels.json.
 """
 
 from __future__ import annotations
@@ -32,14 +36,22 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _error(kernel: str, q: Tensor, k: Tensor, v: Tensor, dy: Tensor) -> dict[str, float]:
+def _sdpa_padded(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    dv = v.shape[-1]
+    v = F.pad(v, (0, q.shape[-1] - dv))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., :dv]
+
+
+def _error(
+    kernel: str, q: Tensor, k: Tensor, v: Tensor, dy: Tensor, padded: bool
+) -> dict[str, float]:
     """Max |error| of output and input gradients against fp32 math, relative to the fp32
     reference's largest magnitude; ``kernel`` alone enabled (an error if it cannot run)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(sdpa_backend(kernel)):
-        out = _sdpa(*ins)
+        out = (_sdpa_padded if padded else _sdpa)(*ins)
         grads = torch.autograd.grad(out, ins, dy)
     ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.MATH):
@@ -58,6 +70,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--v-head-dim", type=int, default=0, help="default: --head-dim")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--kernels", default="flash,cudnn,efficient")
     ap.add_argument("--warmup", type=int, default=5)
@@ -71,31 +84,36 @@ def main() -> int:
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
+    dv = args.v_head_dim or args.head_dim
     shape = (args.batch, args.heads, args.seq, args.head_dim)
-    q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen) for _ in "qkv")
-    dy = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
-    fwd_flop = 2 * 2 * args.batch * args.heads * args.seq**2 * args.head_dim / 2
+    q, k = (torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen) for _ in "qk")
+    v, dy = (torch.randn((*shape[:3], dv), device=dev, dtype=torch.bfloat16, generator=gen)
+             for _ in "vd")  # fmt: skip
+    fwd_flop = 2 * args.batch * args.heads * args.seq**2 * (args.head_dim + dv) / 2
     default = torch._C._get_sdp_priority_order()
     rows: dict[str, dict[str, float] | str] = {}
-    for kernel in args.kernels.split(","):
+    for name in args.kernels.split(","):
+        kernel, padded = name.removesuffix("-pad"), name.endswith("-pad")
         torch._C._set_sdp_priority_order(default)
         configure_attention_kernel(dev, kernel)
         for mode in ("eager", "compiled"):
-            label = f"{kernel} {mode}"
-            fn = torch.compile(_sdpa) if mode == "compiled" else _sdpa
+            label = f"{name} {mode}"
+            plain = _sdpa_padded if padded else _sdpa
+            fn = torch.compile(plain) if mode == "compiled" else plain
             torch._dynamo.reset()
             try:
                 row = measure(fn, [q, k, v], dy, args.warmup, args.iters)
                 row["fwd TFLOP/s"] = fwd_flop / row["fwd_ms"] / 1e9
                 row["fwd+bwd TFLOP/s"] = 3.5 * fwd_flop / row["fwd_bwd_ms"] / 1e9
                 if mode == "eager":
-                    row |= {f"err {n}": e for n, e in _error(kernel, q, k, v, dy).items()}
+                    errors = _error(kernel, q, k, v, dy, padded)
+                    row |= {f"err {n}": e for n, e in errors.items()}
                 rows[label] = row
             except Exception as err:  # one failing line does not stop the table
                 rows[label] = f"failed: {type(err).__name__}: {str(err)[:300]}"
             print(f"{label}: {rows[label]}", flush=True)
     torch._C._set_sdp_priority_order(default)
-    print(f"\nCausal SDPA, b {args.batch} h {args.heads} s {args.seq} d {args.head_dim}, bf16, "
+    print(f"\nCausal SDPA, b {args.batch} h {args.heads} s {args.seq} d {args.head_dim} d_v {dv}, bf16, "
           f"{torch.cuda.get_device_name()}")  # fmt: skip
     print("| kernel | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | worst rel. error |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -762,6 +762,21 @@ SUITES["s16"] = [
     ("torch compile", 90, f"{_TORCH} --mb 8 --compile --steps 10 --warmup 3"),
 ]  # fmt: skip
 
+# the second call: MLA's core attention alone at deepseek-v3-3b's shape (qk 192, v 128) with
+# the values zero-padded for FlashAttention-2 (as latent_sdpa does) against cuDNN and the
+# efficient kernel on the unequal dims (predicted: cuDNN unpadded <= 0.85x the padded
+# flash's fwd+bwd time, which does 1.2x the FLOPs); deepseek-v3-3b at mb 4 x 8 with the
+# allocator's expandable segments (mb 4 peaked at 77 GiB on an H200, mb 2 at 69.5 GiB on an
+# H100; predicted ~31-33 % if it fits)
+_MLA = "python3 bench/attn_kernels.py --heads 16 --head-dim 192 --v-head-dim 128"
+SUITES["s16b"] = [
+    ("mla attention mb 2", 60, f"{_MLA} --batch 2 --kernels flash-pad,cudnn,efficient"),
+    ("mla attention mb 4", 60, f"{_MLA} --batch 4 --kernels flash-pad,cudnn"),
+    ("deepseek-v3-3b mb 4 accum 8", 200,
+     f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True {_STEP} --size deepseek-v3-3b --mb 4 "
+     "--accum 8 --compile --steps 3 --warmup 2"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
