@@ -775,6 +775,10 @@ SUITES["s16b"] = [
     ("deepseek-v3-3b mb 4 accum 8", 200,
      f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True {_STEP} --size deepseek-v3-3b --mb 4 "
      "--accum 8 --compile --steps 3 --warmup 2"),
+    # every kernel of the bf16 step with the CUDA defaults (flat optimizer): what is left of
+    # the 9.9 ms of copies and 12.9 ms of optimizer the thirteenth session's profile showed
+    ("profile bf16", 100, f"{_STEP} --size 1b-bench --mb 8 --compile --steps 4 --warmup 3 "
+                          "--profile 3"),
 ]  # fmt: skip
 
 _ENV = {
