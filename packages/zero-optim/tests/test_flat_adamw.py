@@ -262,11 +262,15 @@ def test_state_is_created_on_the_first_step(dist_pool: DistPool) -> None:
 
 # the Triton kernel itself, in the interpreter -------------------------------------------------
 
-KERNEL_CASES = [  # (numel, grad dtype, low-precision dtype, decoupled, weight decay, grad_mul, beta1)
-    (1, torch.float32, None, True, 0.1, 1.0, 0.9),
-    (1000, torch.bfloat16, torch.bfloat16, True, 0.1, 0.3, 0.9),
-    (4099, torch.float32, torch.bfloat16, False, 0.1, 1.0, 0.9),
-    (777, torch.float16, torch.float16, True, 0.0, 0.5, 0.3),
+F32, BF16 = torch.float32, torch.bfloat16
+KERNEL_CASES = [  # (numel, grad, low-precision, decoupled, decay, grad_mul, beta1, moments)
+    (1, F32, None, True, 0.1, 1.0, 0.9, F32),
+    (1000, BF16, BF16, True, 0.1, 0.3, 0.9, F32),
+    (4099, F32, BF16, False, 0.1, 1.0, 0.9, F32),
+    (777, torch.float16, torch.float16, True, 0.0, 0.5, 0.3, F32),
+    (1000, BF16, BF16, True, 0.1, 0.3, 0.9, BF16),
+    (4099, F32, BF16, False, 0.1, 1.0, 0.9, BF16),
+    (777, torch.float16, torch.float16, True, 0.0, 0.5, 0.3, BF16),
 ]
 
 
@@ -288,7 +292,10 @@ def _kernel_case(index: int) -> None:
         step_segment,
     )
 
-    n, grad_dtype, low_dtype, decoupled, decay, grad_mul, beta1 = KERNEL_CASES[index]
+    n, grad_dtype, low_dtype, decoupled, decay, grad_mul, beta1, moments_dtype = KERNEL_CASES[index]
+    if moments_dtype != torch.float32:
+        _kernel_case_rounded_moments(index)
+        return
     gen = torch.Generator().manual_seed(index)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     master = torch.randn(n, generator=gen)
@@ -314,6 +321,55 @@ def _kernel_case(index: int) -> None:
     # the value each, over 3 chained steps, so n = 3 * 8 at the values' magnitude
     for what, got, want in zip(("master", "exp_avg", "exp_avg_sq"), *runs, strict=True):
         assert_close_to_reference(got, want, reduction_length=3 * 8, name=f"case {index} {what}")
+
+
+def _kernel_case_rounded_moments(index: int) -> None:
+    """bf16 moments: three steps in lockstep, each from the torch run's last state.
+
+    Both update the master from the step's unrounded fp32 moments, to the fp32 bound of one
+    step's ~8 ops; then each rounds its moments into bf16, and two fp32 values that close
+    round to the same or neighbouring bf16 values (the interpreter truncates: also at most
+    one apart), one bf16 unit, at most 2^-7 of the value. Chained steps would carry such a
+    unit into the next, so each step starts again from one state."""
+    from mega_zero_optim.flat_adamw import (
+        SegmentTensors,
+        _kernel_applies,
+        adamw_segment_torch,
+        step_segment,
+    )
+
+    n, grad_dtype, low_dtype, decoupled, decay, grad_mul, beta1, moments_dtype = KERNEL_CASES[index]
+    gen = torch.Generator().manual_seed(index)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    state = [
+        torch.randn(n, generator=gen),
+        (torch.randn(n, generator=gen) * 0.01).to(moments_dtype),
+        (torch.rand(n, generator=gen) * 1e-4).to(moments_dtype),
+    ]
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(step)).to(dev, grad_dtype)
+        hp = SegmentStep(grad_mul, 1e-2 / step, decay, decoupled, beta1, 0.999, 1e-8, step)
+        runs = []
+        for kernel in (True, False):
+            tensors = [t.clone().to(dev) for t in state]
+            low = None if low_dtype is None else torch.empty(n, dtype=low_dtype, device=dev)
+            segment = SegmentTensors(grad, *tensors, low)
+            if kernel:
+                assert _kernel_applies(segment), "the kernel is not chosen"
+                step_segment(segment, hp)
+            else:
+                adamw_segment_torch(segment, hp)
+            assert tensors[1].dtype == tensors[2].dtype == moments_dtype
+            if low is not None:
+                assert torch.equal(low.cpu(), _rounded(tensors[0].cpu(), low_dtype, kernel))
+            runs.append([t.cpu() for t in tensors])
+        (master, *moments), (want_master, *want_moments) = runs
+        assert_close_to_reference(master, want_master, reduction_length=8, name=f"{index} master")
+        for what, got, want in zip(("exp_avg", "exp_avg_sq"), moments, want_moments, strict=True):
+            torch.testing.assert_close(
+                got.float(), want.float(), rtol=2.0**-7, atol=0.0, msg=f"{index} {what}"
+            )
+        state = runs[1]
 
 
 def _kernel_results() -> None:

@@ -241,6 +241,14 @@ class TrainConfig:
     ``auto``: ``flat`` on CUDA without the offload, else ``torch``. On an H100 the flat
     kernel took the compiled ``1b-bench`` step from 278.1 to 272.5 ms (1.021x;
     bench/RESULTS.md, 2026-12-07, fifteenth session)."""
+    optimizer_moment_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype AdamW's two moments are stored in: ``bf16`` keeps them in the flat kernel's
+    buffers rounded to nearest bf16 (each step computes in fp32), saving 4 bytes a parameter
+    of optimizer state (13.4 GiB on ``deepseek-v3-3b`` on one GPU) and 8 of the kernel's 30
+    bytes moved an element; DeepSeek-V3 trained with it (Megatron's
+    ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``). ``auto`` kernel then means ``flat``
+    on any device; not with ``optimizer_kernel torch`` or ``parallel.optimizer_offload``.
+    Checkpoints hold the moments in this dtype and load converted into the other."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
     compile: bool = False

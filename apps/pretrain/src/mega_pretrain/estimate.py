@@ -59,7 +59,8 @@ def estimate(plan: Plan) -> Estimate:
     ``18/s`` for ``parameters`` (``s``: the ranks sharing the state, dp x cp for dense
     weights), plus :attr:`Estimate.in_flight` (see :func:`in_flight_bytes`).
     ``parallel.optimizer_offload`` moves the ``(4 + 8)/s`` of masters and moments (and a
-    4/s copy of their gradients) to :attr:`Estimate.host`.
+    4/s copy of their gradients) to :attr:`Estimate.host`. ``train.optimizer_moment_dtype
+    bf16`` stores the two moments in 2 bytes each: ``(4 + 4)/s`` of optimizer state.
     """
     config, model, spec = plan.config, plan.model, plan.spec
     p, t, parallel = config.parallel, config.train, plan.parallel
@@ -86,7 +87,8 @@ def estimate(plan: Plan) -> Estimate:
 
     weights = sharded(width, ("parameters",))
     grads = sharded(4, ("gradients", "parameters"))
-    optimizer = dense_rank * (master + 8) // shards + expert_rank * (master + 8) // expert_shards
+    state = master + (4 if t.optimizer_moment_dtype == "bf16" else 8)  # + both Adam moments
+    optimizer = dense_rank * state // shards + expert_rank * state // expert_shards
     host = 0
     if p.optimizer_offload:  # masters, moments and the masters' fp32 gradients on the host
         host = optimizer + (dense_rank * 4 // shards + expert_rank * 4 // expert_shards)

@@ -57,6 +57,29 @@ def _check_fp8_weight_cache(config: TrainerConfig) -> None:
         )
 
 
+def _check_moment_dtype(config: TrainerConfig) -> None:
+    """``train.optimizer_moment_dtype``: bf16 moments live in the flat kernel's device buffers."""
+    p, t = config.parallel, config.train
+    if t.optimizer_moment_dtype not in ("fp32", "bf16"):
+        raise ValueError(
+            f"train.optimizer_moment_dtype ({t.optimizer_moment_dtype!r}) must be 'fp32' or 'bf16'"
+        )
+    if t.optimizer_moment_dtype == "fp32":
+        return
+    if t.optimizer_kernel == "torch":
+        raise ValueError(
+            "train.optimizer_moment_dtype 'bf16' keeps the moments in the flat kernel's "
+            "buffers, but train.optimizer_kernel is 'torch'; use optimizer_kernel 'flat' or "
+            "'auto', or optimizer_moment_dtype 'fp32'"
+        )
+    if p.optimizer_offload:
+        raise ValueError(
+            "train.optimizer_moment_dtype 'bf16' keeps the moments on the device, but "
+            "parallel.optimizer_offload true keeps fp32 state on the host; turn the offload "
+            "off or use optimizer_moment_dtype 'fp32'"
+        )
+
+
 def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Plan:
     """Raise ValueError (one sentence naming the values) for any inconsistent setting;
     return the run's plan (dp, micro-batches, stage split, ...), checked."""
@@ -130,6 +153,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             "parallel.optimizer_offload true updates them on the host; use "
             "optimizer_kernel 'torch' or turn the offload off"
         )
+    _check_moment_dtype(config)
     check_compile_mode(config, model)  # train.compile_mode (CUDA graphs)
     precision = resolve_precision(t.precision)
     if t.fp8_recipe != "tensor" and not t.fp8:

@@ -18,7 +18,8 @@ class MemoryReport:
     (ZeRO-2: only the gradient shards persist; during backward a few buckets' full
     gradients come and go) and 18/dp for ``"parameters"`` (ZeRO-3, between uses: the
     gathered buckets are freed). fp32 parameters need no separate master copy
-    (4 + 4 + 8/dp for ZeRO-1). Padding to whole dp shards counts as allocated.
+    (4 + 4 + 8/dp for ZeRO-1). bf16 Adam moments (``moment_dtype``) halve the moments' 8
+    bytes (2 + 4 + 8/dp for bf16 ZeRO-1). Padding to whole dp shards counts as allocated.
     """
 
     num_params: int

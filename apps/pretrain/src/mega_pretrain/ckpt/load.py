@@ -8,6 +8,12 @@ pieces and sliced, and the result goes to DistributedOptimizer.load_state_dict a
 in its own format, which copies out exactly the pieces this rank owns. Under ZeRO-3 the
 weights are written into the gathered parameters and the shards then rebuilt from the loaded
 fp32 masters (the saved weights are those masters rounded, so they come back bitwise).
+
+Adam's moments are read in the dtype they were saved in and converted to the one this run
+keeps (``train.optimizer_moment_dtype``) by DistributedOptimizer.load_state_dict: fp32
+rounded to nearest bf16, bf16 widened exactly. Converted rather than refused: the moment
+dtype is a storage choice of the run, like its layout, not another optimizer, and the
+conversion is the rounding a bf16 run applies after every step anyway.
 """
 
 from __future__ import annotations
