@@ -71,3 +71,26 @@ def test_one_rank_dispatch_keeps_counts_on_the_device() -> None:
     assert isinstance(dispatched.counts, Tensor)
     assert dispatched.counts.tolist() == routing.routing_map.sum(dim=0).tolist()
     assert dispatched.tokens.shape == (S * B * 2, H)
+
+
+def test_compiled_fp32_takes_the_loop_where_the_shape_function_wants_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11's shape function of ``torch._grouped_mm`` demands bf16, so compiling an fp32
+    layer on CPU failed there (the GPU machine's CPU, 2026-12-07) though its eager CPU kernel
+    takes fp32: on such a torch the compiled layer is given the loop of GEMMs instead."""
+    import mega_moe._gemm as gemm
+
+    x, w = torch.randn(16, 16), torch.randn(2, 16, 16)
+    assert gemm._COMPILED_FP32_GROUPED_MM == gemm._shape_function_takes_fp32()
+    monkeypatch.setattr(gemm, "_COMPILED_FP32_GROUPED_MM", False)
+    assert gemm.grouped_mm_available(x, w)  # eager: the CPU kernel takes fp32
+
+    def choice(x: Tensor, w: Tensor) -> Tensor:
+        return torch.ones(1) if gemm.grouped_mm_available(x, w) else torch.zeros(1)
+
+    torch._dynamo.reset()
+    assert torch.compile(choice, fullgraph=True)(x, w).item() == 0.0
+    monkeypatch.setattr(gemm, "_COMPILED_FP32_GROUPED_MM", True)
+    torch._dynamo.reset()
+    assert torch.compile(choice, fullgraph=True)(x, w).item() == 1.0

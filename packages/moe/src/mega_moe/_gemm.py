@@ -42,6 +42,28 @@ def _aligned(t: Tensor, *dims: int) -> bool:
 _CPU_GROUPED_MM = TorchVersion(torch.__version__) >= "2.9"
 
 
+def _shape_function_takes_fp32() -> bool:
+    """Whether this torch's shape function of ``torch._grouped_mm`` accepts fp32 operands.
+
+    ``torch.compile`` traces the op through it: torch 2.11's demands bf16 on any device, so
+    a compiled fp32 layer on CPU failed there while the eager CPU kernel takes fp32 (newer
+    torch accepts both). Meta tensors only: no device, nothing computed; read at import.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    x, w = torch.empty(16, 16, device="meta"), torch.empty(1, 16, 16, device="meta")
+    try:
+        torch._grouped_mm(
+            x, w.transpose(1, 2), offs=torch.empty(1, dtype=torch.int32, device="meta")
+        )
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+_COMPILED_FP32_GROUPED_MM = _shape_function_takes_fp32()
+
+
 def grouped_mm_available(x: Tensor, *weights: Tensor) -> bool:
     """True when ``torch._grouped_mm`` runs here for ``x [M, in]`` and ``[L, out, in]`` weights."""
     if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
@@ -55,6 +77,9 @@ def grouped_mm_available(x: Tensor, *weights: Tensor) -> bool:
             return False
         if not _CPU_GROUPED_MM:
             return False
+        if x.dtype == torch.float32 and torch.compiler.is_compiling():
+            if not _COMPILED_FP32_GROUPED_MM:
+                return False  # the loop of GEMMs instead (see _shape_function_takes_fp32)
     else:
         return False
     if any(w.dtype != x.dtype for w in weights) or not x.is_contiguous():
