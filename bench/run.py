@@ -781,6 +781,30 @@ SUITES["s16b"] = [
                           "--profile 3"),
 ]  # fmt: skip
 
+# the third call: the GPU tests of this session's CUDA changes (MLA on cuDNN's narrow-value
+# kernel, the flat AdamW kernel with bf16 moments, the torch 2.11 shape-function check),
+# then target 3 at the DeepSeek-V3-shaped size, mb 4 x 8 (34.0 % in s16b, padded values):
+# with cuDNN on the unequal dims (predicted ~-20 ms, ~34.7 %), with bf16 moments as well
+# (predicted ~-10 ms more, ~35 %), and the padded A/B; then 1b-bench with bf16 moments
+# (predicted -2 … -3 ms of the optimizer's ~12)
+_DSV3_MB4 = (
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True {} --size deepseek-v3-3b --mb 4 "
+    "--accum 8 --compile --steps 3 --warmup 2"
+)
+SUITES["s16c"] = [
+    ("gpu tests", 120, "python3 -c 'import torch; print(\"cudnn\", torch.backends.cudnn.version())' && "
+                       "python3 -m pytest -q -p no:cacheprovider "
+                       "packages/models/tests/test_mla.py packages/zero-optim/tests/test_flat_adamw.py "
+                       "packages/moe/tests/test_wgrad_into_main_grad.py "
+                       "-k 'cuda or cudnn or share or triton_kernel_equals'"),
+    ("mla attention mb 4 cudnn", 50, f"{_MLA} --batch 4 --kernels cudnn-pad,cudnn"),
+    ("deepseek-v3-3b mb 4 bf16 moments", 110,
+     _DSV3_MB4.format(_STEP) + " --set train.optimizer_moment_dtype=bf16"),
+    ("deepseek-v3-3b mb 4", 100, _DSV3_MB4.format(_STEP)),
+    ("deepseek-v3-3b mb 4 padded", 100, _DSV3_MB4.format("python3 bench/mla_padded.py")),
+    ("1b-bench bf16 moments", 70, f"{_BF16_10} --set train.optimizer_moment_dtype=bf16"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

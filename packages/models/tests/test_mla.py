@@ -24,7 +24,7 @@ from test_gpt_contract import _contract
 from mega_models import GPTConfig, GPTModel, matmul_params, model_config, spec_for
 from mega_models.context_parallel import context_parallel_attention, zigzag_split
 from mega_models.flops import forward_flops_per_token
-from mega_models.mla import MultiLatentAttention, latent_sdpa
+from mega_models.mla import MultiLatentAttention, cudnn_takes_narrow_values, latent_sdpa
 from mega_models.rope import rope_for, yarn_inv_freq
 from mega_parallel_grid.testing import DistPool, assert_close_to_reference, rank_device, solo_groups
 
@@ -145,6 +145,38 @@ def test_latent_sdpa_padded_on_cuda_matches_fp32() -> None:
     half = latent_sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale=192**-0.5)
     assert half.shape == ref.shape
     torch.testing.assert_close(half.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(
+    not cudnn_takes_narrow_values(), reason="cuDNN's attention on a narrower value head needs sm90+"
+)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_latent_sdpa_cudnn_narrow_values_match_the_padded_path(compiled: bool) -> None:
+    """cuDNN on the unequal dims against the values zero-padded to the qk dim (FlashAttention
+    or cuDNN on equal dims), bf16, forward and the three input gradients. Both are the same
+    attention with fp32 accumulation and bf16 inputs and outputs; they differ in where they
+    round (the probabilities before the PV product, the outputs), a few bf16 units (2^-8
+    relative) of each tensor's largest magnitude: bound 8 units."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(2, 4, 256, d) for d in (192, 192, 128)]
+    q, k, v = (torch.randn(s, generator=gen).cuda().bfloat16().requires_grad_() for s in shapes)
+    dy = torch.randn(2, 4, 256, 128, generator=gen).cuda().bfloat16()
+    fn = torch.compile(latent_sdpa, fullgraph=True) if compiled else latent_sdpa
+    torch._dynamo.reset()
+    narrow = fn(q, k, v, scale=192**-0.5)
+    narrow_grads = torch.autograd.grad(narrow, (q, k, v), dy)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        padded_v = torch.nn.functional.pad(v, (0, 64))
+        padded = torch.nn.functional.scaled_dot_product_attention(
+            q, k, padded_v, is_causal=True, scale=192**-0.5
+        )[..., :128]
+    padded_grads = torch.autograd.grad(padded, (q, k, v), dy)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (narrow, *narrow_grads),
+                               (padded, *padded_grads), strict=True):  # fmt: skip
+        bound = 8 * 2**-8 * float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), atol=bound, rtol=0, msg=name)
 
 
 def _interleaved_to_halves(weight: torch.Tensor, per_head: int, nope: int) -> torch.Tensor:

@@ -24,12 +24,17 @@ gradients are then partial per rank and marked like the norms' (``partial_grads`
 
 Core attention: ``F.scaled_dot_product_attention`` with the qk head dim
 (``qk_nope + qk_rope``) larger than the value head dim. On CPU its math kernel takes that
-as is in eager mode. On CUDA in half precision, and under ``torch.compile`` on any
-device, the values are zero-padded to the qk dim and the output sliced back: the flash
-kernel needs equal dims, and Inductor's attention pattern matcher fails (logging a
-traceback) on unequal ones. In eager fp32 on CUDA SDPA picks the efficient or math
-kernel, which take unequal dims. The result is the same
-attention everywhere. Context parallel (ring or all-gather) takes unequal dims directly.
+as is in eager mode. On CUDA in half precision without dropout, where cuDNN's fused
+attention takes a narrower value head (sm90 or newer, cuDNN 9.10 or newer, torch's cuDNN
+backend enabled), that kernel runs on the unequal dims: on an H100 at ``deepseek-v3-3b``'s
+shape (qk 192, v 128, 16 heads, 4 x 2048 tokens) it took 1.07 ms forward and backward
+where FlashAttention-2 on values padded to 192 took 1.60 (bench/RESULTS.md, 2026-12-07).
+Elsewhere on CUDA in half precision, and under ``torch.compile`` on any device, the values
+are zero-padded to the qk dim and the output sliced back: the flash kernel needs equal
+dims, and Inductor's attention pattern matcher fails (logging a traceback) on unequal
+ones. In eager fp32 on CUDA SDPA picks the efficient or math kernel, which take unequal
+dims. The result is the same attention everywhere. Context parallel (ring or all-gather)
+takes unequal dims directly.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mega_models.attention import AttentionBase, dropout_rng, run_core
 from mega_models.config import GPTConfig
@@ -56,16 +62,33 @@ from mega_tp_layers import (
     gather_from_sequence_region,
 )
 
-__all__ = ["MultiLatentAttention", "latent_sdpa"]
+__all__ = ["MultiLatentAttention", "cudnn_takes_narrow_values", "latent_sdpa"]
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # a bool function
+def cudnn_takes_narrow_values() -> bool:
+    """Whether cuDNN's fused attention runs on this process's CUDA device with a value head
+    narrower than the query's (MLA's shape): compute capability 9.0 or newer, cuDNN 9.10 or
+    newer, and torch's cuDNN SDPA backend enabled. A constant to ``torch.compile``."""
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]
+    if not torch.cuda.is_available() or not enabled:
+        return False
+    version = torch.backends.cudnn.version() or 0  # type: ignore[no-untyped-call]
+    return torch.cuda.get_device_capability() >= (9, 0) and version >= 91000
 
 
 def latent_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, dropout_p: float = 0.0
 ) -> torch.Tensor:
     """Causal SDPA ``[b, n, s, d_qk] x [b, n, s, d_v] -> [b, n, s, d_v]`` for ``d_v <= d_qk``:
-    on CUDA in half precision or under compile ``v`` is zero-padded to ``d_qk``."""
+    on CUDA in half precision cuDNN's kernel on the unequal dims where it takes them (see
+    :func:`cudnn_takes_narrow_values`), else there and under compile ``v`` zero-padded to
+    ``d_qk``."""
     dv = v.shape[-1]
     half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if dv < q.shape[-1] and half and dropout_p == 0.0 and cudnn_takes_narrow_values():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     pad = dv < q.shape[-1] and (half or torch.compiler.is_compiling())
     if pad:
         v = F.pad(v, (0, q.shape[-1] - dv))
