@@ -11,20 +11,17 @@ bf16 ones widened to fp32 exactly; the masters come back bitwise either way.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 from mega_parallel_grid import ProcessGroups, init_process_groups
-from mega_parallel_grid.testing import DistPool, rank_device
+from mega_parallel_grid.testing import DistPool, rank_device, sibling_module
 from mega_pretrain.build import Built, build, flat_optimizer_kernel, gpt_config, parallel_config
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mega_pretrain.config import TrainerConfig, load_config
@@ -33,18 +30,7 @@ from mega_pretrain.step import StepRunner
 from mega_pretrain.train import train
 from mega_pretrain.validate import check_config
 
-
-def _sibling(name: str) -> ModuleType:
-    """A test module of this folder (not on the path: pytest imports by file here)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-_ckpt = _sibling("test_checkpoint")
+_ckpt = sibling_module(__file__, "test_checkpoint")
 State = dict[str, dict[str, torch.Tensor]]
 
 

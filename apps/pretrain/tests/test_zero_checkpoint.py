@@ -11,34 +11,20 @@ sums; ``test_checkpoint`` gives the bound).
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mega_parallel_grid.testing import DistPool, assert_close_to_reference
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, sibling_module
 from mega_pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mega_pretrain.ckpt.async_save import AsyncSaver
 
-
-def _sibling(name: str) -> ModuleType:
-    """A test module of this folder (not on the path: pytest imports by file here)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-_ckpt = _sibling("test_checkpoint")
+_ckpt = sibling_module(__file__, "test_checkpoint")
 MODEL, STEP_N, _merge, _Run = _ckpt.MODEL, _ckpt.STEP_N, _ckpt._merge, _ckpt._Run
 Weights = dict[str, torch.Tensor]
 

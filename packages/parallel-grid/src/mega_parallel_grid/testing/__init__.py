@@ -19,6 +19,7 @@ of the reductions that produced it, so it holds on any CPU's kernels (see ``tole
 
 from mega_parallel_grid.testing.device import rank_device
 from mega_parallel_grid.testing.pool import DistPool, RankFailedError, RankTimeoutError
+from mega_parallel_grid.testing.sibling import sibling_module
 from mega_parallel_grid.testing.solo import solo_groups
 from mega_parallel_grid.testing.tolerance import (
     MARGIN,
@@ -34,5 +35,6 @@ __all__ = [
     "assert_close_to_reference",
     "rank_device",
     "rounding_bound",
+    "sibling_module",
     "solo_groups",
 ]
