@@ -25,10 +25,11 @@ gradients are then partial per rank and marked like the norms' (``partial_grads`
 Core attention: ``F.scaled_dot_product_attention`` with the qk head dim
 (``qk_nope + qk_rope``) larger than the value head dim. On CPU its math kernel takes that
 as is in eager mode. On CUDA in half precision without dropout, where cuDNN's fused
-attention takes a narrower value head (sm90 or newer, cuDNN 9.10 or newer, torch's cuDNN
-backend enabled), that kernel runs on the unequal dims: on an H100 at ``deepseek-v3-3b``'s
-shape (qk 192, v 128, 16 heads, 4 x 2048 tokens) it took 1.07 ms forward and backward
-where FlashAttention-2 on values padded to 192 took 1.60 (bench/RESULTS.md, 2026-12-07).
+attention takes a narrower value head (sm90 or newer, cuDNN 9.10 or newer), that kernel
+runs on the unequal dims: on an H100 at ``deepseek-v3-3b``'s shape (qk 192, v 128, 16
+heads, 4 x 2048 tokens) it took 1.12 ms forward and backward where cuDNN on values padded
+to 192 took 1.54, and the whole compiled step ran 1.04x faster (bench/RESULTS.md,
+2026-12-07).
 Elsewhere on CUDA in half precision, and under ``torch.compile`` on any device, the values
 are zero-padded to the qk dim and the output sliced back: the flash kernel needs equal
 dims, and Inductor's attention pattern matcher fails (logging a traceback) on unequal
@@ -65,16 +66,20 @@ from mega_tp_layers import (
 __all__ = ["MultiLatentAttention", "cudnn_takes_narrow_values", "latent_sdpa"]
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # a bool function
-def cudnn_takes_narrow_values() -> bool:
-    """Whether cuDNN's fused attention runs on this process's CUDA device with a value head
-    narrower than the query's (MLA's shape): compute capability 9.0 or newer, cuDNN 9.10 or
-    newer, and torch's cuDNN SDPA backend enabled. A constant to ``torch.compile``."""
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]
-    if not torch.cuda.is_available() or not enabled:
+#: cuDNN 9.10 or newer: its fused attention takes a value head narrower than the query's
+#: on sm90+. Read once at import (no device touched): under torch.compile the version query
+#: cannot be traced, and a decorator that could mark it constant imports dynamo
+_CUDNN_NARROW_VALUES = (torch.backends.cudnn.version() or 0) >= 91000  # type: ignore[no-untyped-call]
+
+
+def cudnn_takes_narrow_values(device: torch.device) -> bool:
+    """Whether cuDNN's fused attention runs on ``device`` with a value head narrower than the
+    query's (MLA's shape): a CUDA device of compute capability 9.0 or newer and cuDNN 9.10
+    or newer (torch's cuDNN backend is then used for that call whatever the SDPA order)."""
+    if device.type != "cuda" or not _CUDNN_NARROW_VALUES:
         return False
-    version = torch.backends.cudnn.version() or 0  # type: ignore[no-untyped-call]
-    return torch.cuda.get_device_capability() >= (9, 0) and version >= 91000
+    props = torch.cuda.get_device_properties(device)  # a constant to torch.compile
+    return (props.major, props.minor) >= (9, 0)
 
 
 def latent_sdpa(
@@ -86,7 +91,7 @@ def latent_sdpa(
     ``d_qk``."""
     dv = v.shape[-1]
     half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-    if dv < q.shape[-1] and half and dropout_p == 0.0 and cudnn_takes_narrow_values():
+    if dv < q.shape[-1] and half and dropout_p == 0.0 and cudnn_takes_narrow_values(q.device):
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     pad = dv < q.shape[-1] and (half or torch.compiler.is_compiling())
