@@ -810,6 +810,30 @@ SUITES["s16c"] = [
     ("1b-bench bf16 moments", 70, f"{_BF16_10} --set train.optimizer_moment_dtype=bf16"),
 ]  # fmt: skip
 
+# what the sixteenth session owes, one GPU, two calls (~560 s and ~520 s). s17a: the MLA
+# narrow-value check in its rewritten form (c22016a) on the GPU, then target 3's size with it
+# beside the padded path (1.04x in s16c), and bf16 moments at 8 timed steps each (the
+# optimizer's share beyond 3 steps' noise: -5 … -10 ms predicted)
+_DSV3_8 = _DSV3_MB4.replace("--steps 3", "--steps 8")
+SUITES["s17a"] = [
+    ("mla gpu tests", 60, "python3 -m pytest -q -p no:cacheprovider packages/models/tests/test_mla.py "
+                          "-k 'cudnn or padded_on_cuda'"),
+    ("deepseek-v3-3b mb 4", 130, _DSV3_8.format(_STEP)),
+    ("deepseek-v3-3b mb 4 bf16 moments", 140,
+     _DSV3_8.format(_STEP) + " --set train.optimizer_moment_dtype=bf16"),
+    ("deepseek-v3-3b mb 4 padded", 130, _DSV3_8.format("python3 bench/mla_padded.py")),
+]  # fmt: skip
+
+# s17b: 1b-bench with and without bf16 moments (-2 … -3 ms predicted), and delayed FP8
+# recording one step in 8 with and without the opaque fp8 transposes (-4 … -6 ms predicted:
+# the SwiGLU backward's bf16 gradient then has one consumer, see NOTES 2026-12-07 sixteenth)
+SUITES["s17b"] = [
+    ("mega compile bf16", 80, _BF16_10),
+    ("mega compile bf16 bf16 moments", 80, f"{_BF16_10} --set train.optimizer_moment_dtype=bf16"),
+    SUITES["owed13"][3],
+    SUITES["owed13"][4],
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
