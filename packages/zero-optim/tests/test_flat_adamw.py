@@ -283,14 +283,21 @@ def _rounded(master: torch.Tensor, dtype: torch.dtype, kernel: bool) -> torch.Te
     return master.to(dtype)
 
 
+def _one_step(segment: Any, hp: SegmentStep, kernel: bool) -> None:
+    """One step of a ``SegmentTensors``: through the Triton kernel (checked to be the one
+    chosen) or the torch ops (imported here, as the cases import them, in their process)."""
+    from mega_zero_optim.flat_adamw import _kernel_applies, adamw_segment_torch, step_segment
+
+    if kernel:
+        assert _kernel_applies(segment), "the kernel is not chosen"
+        step_segment(segment, hp)
+    else:
+        adamw_segment_torch(segment, hp)
+
+
 def _kernel_case(index: int) -> None:
     """Three steps of one segment through the kernel and through torch, from one start."""
-    from mega_zero_optim.flat_adamw import (
-        SegmentTensors,
-        _kernel_applies,
-        adamw_segment_torch,
-        step_segment,
-    )
+    from mega_zero_optim.flat_adamw import SegmentTensors
 
     n, grad_dtype, low_dtype, decoupled, decay, grad_mul, beta1, moments_dtype = KERNEL_CASES[index]
     if moments_dtype != torch.float32:
@@ -307,12 +314,7 @@ def _kernel_case(index: int) -> None:
         for step in range(1, 4):
             grad = torch.randn(n, generator=torch.Generator().manual_seed(step)).to(dev, grad_dtype)
             hp = SegmentStep(grad_mul, 1e-2 / step, decay, decoupled, beta1, 0.999, 1e-8, step)
-            segment = SegmentTensors(grad, *tensors, low)
-            if kernel:
-                assert _kernel_applies(segment), "the kernel is not chosen"
-                step_segment(segment, hp)
-            else:
-                adamw_segment_torch(segment, hp)
+            _one_step(SegmentTensors(grad, *tensors, low), hp, kernel)
         if low is not None:
             assert torch.equal(low.cpu(), _rounded(tensors[0].cpu(), low_dtype, kernel))
         runs.append(tensors)
@@ -331,12 +333,7 @@ def _kernel_case_rounded_moments(index: int) -> None:
     round to the same or neighbouring bf16 values (the interpreter truncates: also at most
     one apart), one bf16 unit, at most 2^-7 of the value. Chained steps would carry such a
     unit into the next, so each step starts again from one state."""
-    from mega_zero_optim.flat_adamw import (
-        SegmentTensors,
-        _kernel_applies,
-        adamw_segment_torch,
-        step_segment,
-    )
+    from mega_zero_optim.flat_adamw import SegmentTensors
 
     n, grad_dtype, low_dtype, decoupled, decay, grad_mul, beta1, moments_dtype = KERNEL_CASES[index]
     gen = torch.Generator().manual_seed(index)
@@ -353,12 +350,7 @@ def _kernel_case_rounded_moments(index: int) -> None:
         for kernel in (True, False):
             tensors = [t.clone().to(dev) for t in state]
             low = None if low_dtype is None else torch.empty(n, dtype=low_dtype, device=dev)
-            segment = SegmentTensors(grad, *tensors, low)
-            if kernel:
-                assert _kernel_applies(segment), "the kernel is not chosen"
-                step_segment(segment, hp)
-            else:
-                adamw_segment_torch(segment, hp)
+            _one_step(SegmentTensors(grad, *tensors, low), hp, kernel)
             assert tensors[1].dtype == tensors[2].dtype == moments_dtype
             if low is not None:
                 assert torch.equal(low.cpu(), _rounded(tensors[0].cpu(), low_dtype, kernel))
