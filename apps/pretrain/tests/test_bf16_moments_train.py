@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -195,27 +194,8 @@ class _Run:
     state = _ckpt._Run.state
 
 
-def _full_state(run: _Run) -> State:
-    """Every element's optimizer state, from every rank's pieces, in the dtypes it is kept
-    in (as ``test_zero_checkpoint``'s, which widens it)."""
-    mine = run.built.optimizer.state_dict()["params"]
-    ranks: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(ranks, mine)
-    out: State = {}
-    for shard in ranks:
-        for name, entry in shard.items():
-            numel = int(torch.Size(entry["shape"]).numel())
-            fields = out.setdefault(re.sub(r"^(\d+\.)+", "", name), {})
-            for piece in entry["pieces"]:
-                for key, value in {"master": piece["master"], **piece["state"]}.items():
-                    if value.dim() == 0:  # Adam's step
-                        fields.setdefault(key, value.clone())
-                        continue
-                    flat = fields.setdefault(
-                        key, torch.full((numel,), float("nan"), dtype=value.dtype)
-                    )
-                    flat[piece["start"] : piece["end"]] = value.cpu()
-    return out
+#: every element's optimizer state from every rank's pieces, in the dtypes it is kept in
+_full_state = sibling_module(__file__, "test_zero_checkpoint")._full_state
 
 
 def _save(run_dir: str, layout: dict[str, object], moments: str) -> Any:

@@ -34,7 +34,8 @@ State = dict[str, dict[str, torch.Tensor]]
 
 def _full_state(run: Any) -> State:
     """The optimizer state of every element, assembled from every rank's pieces, keyed by
-    the chunk-independent path (the optimizer's names start with the chunk's index)."""
+    the chunk-independent path (the optimizer's names start with the chunk's index), in the
+    dtypes it is kept in."""
     mine = run.built.optimizer.state_dict()["params"]
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
@@ -49,7 +50,9 @@ def _full_state(run: Any) -> State:
                     if value.dim() == 0:  # Adam's step
                         fields.setdefault(key, value.clone())
                         continue
-                    flat = fields.setdefault(key, torch.full((numel,), float("nan")))
+                    flat = fields.setdefault(
+                        key, torch.full((numel,), float("nan"), dtype=value.dtype)
+                    )
                     flat[piece["start"] : piece["end"]] = value.cpu()
     return out
 
