@@ -146,6 +146,10 @@ class GPTConfig:
     """How tokens travel to their experts over ep."""
     moe_grouped_experts: bool = True
     """One grouped GEMM over all local experts (else a loop of expert modules)."""
+    moe_expert_fp8: bool = False
+    """The routed experts' forward and input-gradient GEMMs in FP8 (e4m3, one scale per
+    token row and per weight row; mega-moe's ``MoEConfig.expert_fp8``); needs grouped
+    experts, and on CUDA an sm90+ GPU with bf16 training."""
     mtp_num_layers: int = 0
     """Multi-token prediction depth D (DeepSeek-V3): module k predicts token t + 1 + k from
     depth k-1's hidden state and the embedding of token t + k (0: off)."""
@@ -216,6 +220,11 @@ class GPTConfig:
         if not isinstance(e, int) or isinstance(e, bool) or e < 0:
             raise ValueError(f"num_experts ({e!r}) must be a non-negative integer; 0 means dense")
         if e == 0:
+            if self.moe_expert_fp8:
+                raise ValueError(
+                    "moe_expert_fp8 runs the routed experts in fp8, but num_experts is 0; "
+                    "set num_experts > 0 or turn moe_expert_fp8 off"
+                )
             return
         if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= e:
             raise ValueError(
@@ -298,6 +307,7 @@ class GPTConfig:
             experts="grouped" if self.moe_grouped_experts else "sequential",
             shared_ffn_size=self.moe_shared_expert_size,
             shared_expert_gate=self.moe_shared_expert_gate, aux_loss_in_backward=True,
+            expert_fp8=self.moe_expert_fp8,
         )  # fmt: skip
 
     @property

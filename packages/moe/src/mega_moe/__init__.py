@@ -8,6 +8,7 @@ from mega_moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher, Dispatc
 from mega_moe.expert_shard import EXPERT_ATTR, ExpertShard, expert_shard, gather_expert_weight
 from mega_moe.experts import EtpSlice, GroupedMLP, SequentialMLP
 from mega_moe.flops import moe_activated_params, moe_flops_per_token
+from mega_moe.fp8_expert_weights import Fp8ExpertWeights
 from mega_moe.layer import MoELayer
 from mega_moe.recompute import is_recomputing, recomputing
 from mega_moe.router import Routing, RoutingStats, TopKRouter
@@ -31,6 +32,7 @@ __all__ = [
     "Dispatched",
     "EtpSlice",
     "ExpertShard",
+    "Fp8ExpertWeights",
     "GroupedMLP",
     "MoEConfig",
     "MoELayer",

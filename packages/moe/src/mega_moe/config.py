@@ -194,6 +194,9 @@ class MoEConfig:
     aux_loss_in_backward: bool = False
     """Add the router losses' gradients in backward through the layer output, scaled by
     ``layer.aux_loss_scale``, so pipeline stages that never see the loss still train them."""
+    expert_fp8: bool = False
+    """The routed experts' forward and input-gradient GEMMs in FP8 (e4m3, row-wise scales,
+    weights quantised once a step; ``GroupedMLP(fp8=True)``). Needs ``experts="grouped"``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.router, RouterConfig):
@@ -215,6 +218,11 @@ class MoEConfig:
             raise ValueError(
                 "shared_expert_gate and overlap_shared_experts need shared experts, but "
                 "shared_ffn_size is 0; set shared_ffn_size > 0 or turn them off"
+            )
+        if self.expert_fp8 and self.experts != "grouped":
+            raise ValueError(
+                f"expert_fp8 runs the grouped experts' GEMMs in fp8, but experts is "
+                f"{self.experts!r}; use experts='grouped' or turn expert_fp8 off"
             )
         if self.router.pad_to_capacity and self.dispatcher != "alltoall":
             raise ValueError(

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from mega_moe._comm import Group, check_group, group_rank, group_size
+from mega_moe._fp8_grouped import fp8_grouped_linear, fp8_grouped_mm_supported
 from mega_moe._gemm import (
     expert_activation,
     grouped_linear,
@@ -35,6 +36,7 @@ from mega_moe._gemm import (
 from mega_moe._main_grad_gemm import main_grad_grouped_linear
 from mega_moe.config import Activation, GroupedGemm
 from mega_moe.expert_shard import EXPERT_ATTR, ExpertShard
+from mega_moe.fp8_expert_weights import Fp8ExpertWeights
 from mega_moe.wgrad_accum import (
     MAIN_GRAD_ALPHA_ATTR,
     WGRAD_FUSION_ATTR,
@@ -271,6 +273,12 @@ class GroupedMLP(ShardedModule):
     ``weight1 [E/ep, G, ffn/etp, h]`` and ``weight2 [E/ep, h, ffn/etp]``. ``gemm``:
     ``"auto"`` uses ``torch._grouped_mm`` where it runs (see :mod:`mega_moe._gemm`) and a
     loop of GEMMs elsewhere; ``"grouped_mm"`` insists on it; ``"loop"`` never uses it.
+
+    ``fp8``: the forward and input-gradient GEMMs in FP8 (e4m3, one scale per token row and
+    per expert weight row; :mod:`mega_moe._fp8_grouped`), each weight quantised once a step
+    into an :class:`~mega_moe.fp8_expert_weights.Fp8ExpertWeights`; the weight gradients
+    stay in the activations' dtype. On CUDA it needs sm90+ and bf16 activations; elsewhere
+    the same fp8 values are multiplied in fp32.
     """
 
     weight1: nn.Parameter
@@ -286,6 +294,7 @@ class GroupedMLP(ShardedModule):
         etp_group: Group = None,
         activation: Activation = "swiglu",
         gemm: GroupedGemm = "auto",
+        fp8: bool = False,
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
         seed: int | None = None,
@@ -297,6 +306,7 @@ class GroupedMLP(ShardedModule):
         lay = _layout(
             "GroupedMLP", hidden_size, ffn_hidden_size, num_experts, activation, ep_group, etp_group
         )
+        self._etp_group = etp_group
         if gemm not in ("auto", "grouped_mm", "loop"):
             raise ValueError(f"GroupedMLP gemm ({gemm!r}) must be 'auto', 'grouped_mm' or 'loop'")
         self.layout, self.gemm = lay, gemm
@@ -324,6 +334,11 @@ class GroupedMLP(ShardedModule):
             register_wgrad_target(self, "weight1"),
             register_wgrad_target(self, "weight2"),
         )
+        self.fp8_weight1: Fp8ExpertWeights | None = None
+        self.fp8_weight2: Fp8ExpertWeights | None = None
+        if fp8:  # fc1's N (the intermediate) and fc2's K are the etp shards
+            self.fp8_weight1 = Fp8ExpertWeights((lay.local, g * fl, h), device, None, etp_group)
+            self.fp8_weight2 = Fp8ExpertWeights((lay.local, h, fl), device, etp_group, None)
 
     def uses_grouped_mm(self, x: Tensor) -> bool:
         """Whether a forward on tokens like ``x`` runs ``torch._grouped_mm``."""
@@ -346,6 +361,20 @@ class GroupedMLP(ShardedModule):
         w1 = self.weight1.flatten(1, 2)  # [L, G*ffn/etp, h]
         store = current_weight_grad_store() if self.weight1.requires_grad else None
         main1, main2 = self._main_grad_keys()
+        if self.fp8_weight1 is not None and self.fp8_weight2 is not None:
+            self._check_fp8(x)
+            etp = self._etp_group
+            mains = (main1, main2) if torch.is_grad_enabled() else (None, None)
+            h = fp8_grouped_linear(
+                x, w1, counts, self.fp8_weight1.quantized(w1), param=self.weight1,
+                use_grouped_mm=fast, n_group=etp, into_main=mains[0], store=store,
+            )  # fmt: skip
+            a = expert_activation(h, self.layout.gated)
+            return fp8_grouped_linear(
+                a, self.weight2, counts, self.fp8_weight2.quantized(self.weight2),
+                param=self.weight2, use_grouped_mm=fast, k_group=etp, into_main=mains[1],
+                store=store,
+            )  # fmt: skip
         if store is not None:  # the weight gradients wait for the W pass
             h = split_grouped_linear(x, w1, counts, fast, self.weight1, store, main1)
             a = expert_activation(h, self.layout.gated)
@@ -357,6 +386,16 @@ class GroupedMLP(ShardedModule):
         h = grouped_linear(x, w1, counts, fast)  # [M, h] -> [M, G*ffn/etp]
         a = expert_activation(h, self.layout.gated)  # -> [M, ffn/etp]
         return grouped_linear(a, self.weight2, counts, fast)  # -> [M, h], partial over etp
+
+    def _check_fp8(self, x: Tensor) -> None:
+        if x.device.type == "cuda" and not (
+            fp8_grouped_mm_supported(x.device) and x.dtype == torch.bfloat16
+        ):
+            raise RuntimeError(
+                f"GroupedMLP(fp8=True) runs torch._scaled_grouped_mm, which needs an sm90+ GPU "
+                f"and bf16 tokens (got {x.dtype} on {torch.cuda.get_device_name(x.device)}); "
+                "train in bf16 on a Hopper or newer GPU, or turn expert fp8 off"
+            )
 
     def _main_grad_keys(self) -> tuple[Tensor | None, Tensor | None]:
         """Each weight's key (:func:`~mega_moe.wgrad_accum.register_wgrad_target`) where a
@@ -372,5 +411,6 @@ class GroupedMLP(ShardedModule):
         lay = self.layout
         return (
             f"experts={lay.local}/{lay.experts}, hidden={lay.hidden}, "
-            f"ffn={lay.ffn_local}/{lay.ffn}, gated={lay.gated}, gemm={self.gemm}"
+            f"ffn={lay.ffn_local}/{lay.ffn}, gated={lay.gated}, gemm={self.gemm}, "
+            f"fp8={self.fp8_weight1 is not None}"
         )

@@ -116,6 +116,7 @@ class MoELayer(nn.Module):
                 config.ffn_hidden_size,
                 config.num_experts,
                 gemm=config.grouped_gemm,
+                fp8=config.expert_fp8,
                 **experts_args,
             )
         else:

@@ -29,6 +29,7 @@ from mega_tp_layers.fp8_delayed import (
 from mega_tp_layers.fp8_recipe import check_amax_history, check_amax_interval, check_amax_margin
 from mega_tp_layers.fp8_weight_cache import (
     Fp8WeightCache,
+    WeightCache,
     cached_fp8_weight,
     fp8_weight_caches,
     invalidate_fp8_weight_caches,
@@ -116,6 +117,7 @@ __all__ = [
     "ShardedModule",
     "Uniform",
     "VocabParallelEmbedding",
+    "WeightCache",
     "WeightGradStore",
     "XavierUniform",
     "Zeros",

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Fp8WeightCache",
+    "WeightCache",
     "cached_fp8_weight",
     "fp8_weight_caches",
     "invalidate_fp8_weight_caches",
@@ -40,7 +41,37 @@ __all__ = [
 ]
 
 
-class Fp8WeightCache(nn.Module):
+class WeightCache(nn.Module):
+    """Quantised copies of a weight, filled on the first forward after an invalidation.
+
+    The base of every such cache (this module's tensor-wise one, mega-moe's row-wise expert
+    weights), so :func:`invalidate_fp8_weight_caches` finds them all. A subclass registers
+    its buffers with :meth:`_register_kept`, which keeps their dtypes through ``.to(dtype)``
+    (that casts every floating buffer) and invalidates the cache on any move or cast.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.valid = False
+        self._kept: dict[str, torch.dtype] = {}
+
+    def _register_kept(self, name: str, t: Tensor) -> None:
+        """A non-persistent buffer (a checkpoint holds the weight, not its copies) whose
+        dtype survives ``.to(dtype)``."""
+        self.register_buffer(name, t, persistent=False)
+        self._kept[name] = t.dtype
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        for name, dtype in self._kept.items():
+            buf = getattr(self, name)
+            if buf.dtype != dtype:
+                setattr(self, name, torch.zeros(buf.shape, dtype=dtype, device=buf.device))
+        self.valid = False  # moved, cast or materialised: filled again from the weight
+        return result
+
+
+class Fp8WeightCache(WeightCache):
     """One linear layer's weight (or weight shard) in fp8 with its inverse scale."""
 
     data: Tensor
@@ -60,13 +91,11 @@ class Fp8WeightCache(nn.Module):
                 "fwd_dtype (torch.float8_e4m3fn or torch.float8_e5m2)"
             )
         self.fp8_dtype = dtype
-        # not persistent: a checkpoint holds the weight, the cache is rebuilt from it
-        self.register_buffer("data", torch.zeros(shape, dtype=dtype, device=device), False)
+        self._register_kept("data", torch.zeros(shape, dtype=dtype, device=device))
         # the same values transposed: the dgrad GEMM's column-major operand, made once a step
         rows, cols = shape
-        self.register_buffer("data_t", torch.zeros(cols, rows, dtype=dtype, device=device), False)
-        self.register_buffer("inv_scale", torch.ones((), device=device), False)
-        self.valid = False
+        self._register_kept("data_t", torch.zeros(cols, rows, dtype=dtype, device=device))
+        self._register_kept("inv_scale", torch.ones((), device=device))
 
     def quantized(self, weight: Tensor, recipe: Fp8Recipe, group: ProcessGroup | None) -> Fp8Tensor:
         """``weight`` in ``recipe.fwd_dtype``, tensor-wise (amax over ``group`` for a shard):
@@ -84,17 +113,6 @@ class Fp8WeightCache(nn.Module):
                 self.inv_scale.copy_(fresh.inv_scale)
             self.valid = True
         return Fp8Tensor(self.data, self.inv_scale, self.data_t.t())
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
-        result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        for name in ("data", "data_t"):  # .to(bf16) casts every float buffer
-            buf = getattr(self, name)
-            if buf.dtype != self.fp8_dtype:
-                setattr(self, name, torch.zeros(buf.shape, dtype=self.fp8_dtype, device=buf.device))
-        if self.inv_scale.dtype != torch.float32:
-            self.inv_scale = self.inv_scale.float()
-        self.valid = False  # moved, cast or materialised: filled again from the weight
-        return result
 
     def extra_repr(self) -> str:
         shape = "x".join(str(d) for d in self.data.shape)
@@ -122,9 +140,9 @@ def cached_fp8_weight(
     return cache.quantized(weight, recipe, group)
 
 
-def fp8_weight_caches(modules: Iterable[nn.Module]) -> list[Fp8WeightCache]:
+def fp8_weight_caches(modules: Iterable[nn.Module]) -> list[WeightCache]:
     """Every weight cache inside ``modules`` (a trainer collects them once)."""
-    return [m for module in modules for m in module.modules() if isinstance(m, Fp8WeightCache)]
+    return [m for module in modules for m in module.modules() if isinstance(m, WeightCache)]
 
 
 def invalidate_fp8_weight_caches(modules: Iterable[nn.Module]) -> None:

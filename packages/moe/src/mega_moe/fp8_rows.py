@@ -1,0 +1,116 @@
+"""Row-wise FP8 operands of the experts' grouped GEMMs, and the 16-row padded layout they need.
+
+An FP8 expert FFN (``MoEConfig(expert_fp8=True)``) multiplies e4m3 values with one fp32
+scale per row of each operand along its non-contracted dimension: a token row of the
+activations (or of the output gradient), an output row of each expert's weight. The scale
+then factors out of every dot product, ``out[m, n] = sum_k qa[m, k] qb[n, k] * sa[m] sb[n]``,
+which is what ``torch._scaled_grouped_mm`` computes on Hopper. ``scale = 448 / amax`` of the
+row (e4m3's largest value over the row's largest magnitude), so nothing saturates.
+
+A row that spans a dimension sharded over a group (expert tensor parallelism cuts the
+experts' intermediate dimension) takes its amax all-reduced (max) over that group, so every
+rank scales as one process would.
+
+``torch._scaled_grouped_mm`` takes no group whose row count is not a multiple of 16 (on an
+H100 a device-side assert, measured 2026-12-06). :class:`PaddedRows` lays each expert's
+block out at a multiple of 16 rows with zero rows between; the last block absorbs the
+slack up to a capacity that depends only on the row count and the number of experts, so
+under ``torch.compile`` nothing is read on the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mega_moe._comm import Group, group_size
+
+__all__ = [
+    "E4M3",
+    "FP8_ROW_ALIGN",
+    "Fp8Rows",
+    "PaddedRows",
+    "padded_rows",
+    "quantize_rows",
+]
+
+E4M3 = torch.float8_e4m3fn
+_FMAX = torch.finfo(E4M3).max
+#: a row whose largest magnitude is below this is scaled as if it were this (zero rows)
+_EPS = 1e-12
+#: rows per expert block that ``torch._scaled_grouped_mm`` takes (16 bytes of fp8)
+FP8_ROW_ALIGN = 16
+
+
+class Fp8Rows(NamedTuple):
+    """e4m3 ``data [..., R, C]`` and one fp32 inverse scale per row, ``inv_scale [..., R]``."""
+
+    data: Tensor
+    inv_scale: Tensor
+
+    def dequantize(self) -> Tensor:
+        """The fp32 values these stand for."""
+        return self.data.float() * self.inv_scale.unsqueeze(-1)
+
+
+def quantize_rows(t: Tensor, group: Group = None) -> Fp8Rows:
+    """``t [..., R, C]`` in e4m3, one scale per row over its last dimension; ``group``: the
+    last dimension is this rank's shard of a row split over the group."""
+    t32 = t.detach().float()
+    amax = t32.abs().amax(dim=-1)
+    if group_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scale = _FMAX / amax.clamp(min=_EPS)
+    data = (t32 * scale.unsqueeze(-1)).clamp(-_FMAX, _FMAX).to(E4M3)
+    return Fp8Rows(data, scale.reciprocal())
+
+
+class PaddedRows(NamedTuple):
+    """Where each row of an expert-major ``[M, ...]`` tensor goes in the padded layout."""
+
+    dest: Tensor
+    """``[M]`` int64: the padded row of each row."""
+    ends: Tensor
+    """``[L]`` int32: the end row of each expert's padded block (the last one is
+    ``capacity``); every block is a multiple of :data:`FP8_ROW_ALIGN` rows."""
+    capacity: int
+    """Rows of the padded layout."""
+
+    def scatter(self, rows: Fp8Rows) -> Fp8Rows:
+        """``[M, C]`` -> ``[capacity, C]``, zero rows (scale 1) in the padding."""
+        c = rows.data.shape[1]
+        data = torch.zeros(self.capacity, c, dtype=torch.uint8, device=rows.data.device)
+        data.index_copy_(0, self.dest, rows.data.view(torch.uint8))
+        scale = torch.ones(self.capacity, dtype=rows.inv_scale.dtype, device=self.dest.device)
+        scale.index_copy_(0, self.dest, rows.inv_scale)
+        return Fp8Rows(data.view(E4M3), scale)
+
+    def gather(self, padded: Tensor) -> Tensor:
+        """``[capacity, C]`` -> ``[M, C]``: the rows :meth:`scatter` placed, in their order."""
+        return padded.index_select(0, self.dest)
+
+
+def padded_rows(counts: list[int] | Tensor, m: int, device: torch.device) -> PaddedRows:
+    """The padded layout of ``m`` expert-major rows, ``counts[l]`` of them for expert l.
+
+    Host counts give the exact capacity (the sum of the padded blocks); device counts the
+    static bound ``m + L * 15`` rounded up to 16, so nothing is read on the host.
+    """
+    align = FP8_ROW_ALIGN
+    n = len(counts)
+    if isinstance(counts, Tensor):
+        capacity = -(-(m + n * (align - 1)) // align) * align
+        sizes = counts.to(device=device, dtype=torch.int64)
+    else:
+        capacity = sum(-(-c // align) * align for c in counts) if n else 0
+        sizes = torch.tensor(counts, dtype=torch.int64, device=device)
+    padded = torch.div(sizes + (align - 1), align, rounding_mode="floor") * align
+    ends = torch.cumsum(padded, 0)
+    shift = (ends - padded) - (torch.cumsum(sizes, 0) - sizes)  # padded start - start
+    expert = torch.repeat_interleave(torch.arange(n, device=device), sizes, output_size=m)
+    dest = torch.arange(m, device=device) + shift[expert]
+    ends = torch.cat([ends[:-1], ends.new_full((1,), capacity)])  # the last takes the slack
+    return PaddedRows(dest, ends.to(torch.int32), capacity)

@@ -1,0 +1,116 @@
+"""Row-wise e4m3 quantisation, the 16-row padded layout and the emulated fp8 grouped GEMM.
+
+Bounds: e4m3 keeps 3 mantissa bits, so a value in its normal range is stored to within half
+a unit in the last place, ``2^-4`` of itself; below 2^-6 (subnormals, step 2^-9) to within
+``2^-10`` absolutely, in scaled units (``amax / 448`` a unit). The emulated GEMM multiplies
+the widened fp8 values in fp32: it is checked against the same products summed in fp64,
+to fp32's rounding of a sum of K terms (``K * 2^-24`` of the sum of their magnitudes).
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mega_moe._fp8_grouped import fp8_grouped_mm
+from mega_moe.fp8_rows import FP8_ROW_ALIGN, Fp8Rows, padded_rows, quantize_rows
+from mega_parallel_grid.testing import DistPool
+
+_FMAX = 448.0
+
+
+def _bound(t: Tensor) -> Tensor:
+    """The largest |dequantised - t| row-wise e4m3 allows for each element of ``t``."""
+    unit = t.abs().amax(dim=-1, keepdim=True) / _FMAX
+    return t.abs() * 2.0**-4 + unit * 2.0**-10
+
+
+def test_quantize_rows_is_within_half_an_ulp() -> None:
+    gen = torch.Generator().manual_seed(0)
+    # rows of very different magnitudes, and values spanning 2^12 inside a row
+    t = torch.randn(3, 64, 40, generator=gen) * torch.logspace(-6, 6, 64).view(1, 64, 1)
+    t = t * torch.logspace(-2, 1.6, 40).view(1, 1, 40)
+    q = quantize_rows(t)
+    assert q.data.dtype == torch.float8_e4m3fn and q.inv_scale.shape == (3, 64)
+    err = (q.dequantize() - t).abs()
+    assert bool((err <= _bound(t)).all()), float((err / _bound(t)).max())
+    # the largest magnitude of each row lands on e4m3's largest value
+    top = q.data.float().abs().amax(dim=-1)
+    torch.testing.assert_close(top, torch.full_like(top, _FMAX), rtol=0, atol=0)
+
+
+def test_quantize_rows_of_zeros_stays_finite() -> None:
+    q = quantize_rows(torch.zeros(2, 16))
+    assert torch.equal(q.dequantize(), torch.zeros(2, 16))
+    assert bool(torch.isfinite(q.inv_scale).all())
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17, 16], [0, 0, 3], [16, 32], [1]])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_padded_rows_keep_order_in_aligned_blocks(counts: list[int], on_device: bool) -> None:
+    m = sum(counts)
+    layout = padded_rows(torch.tensor(counts) if on_device else counts, m, torch.device("cpu"))
+    ends = layout.ends.tolist()
+    assert layout.ends.dtype == torch.int32 and ends[-1] == layout.capacity
+    starts = [0, *ends[:-1]]
+    assert all(s % FP8_ROW_ALIGN == 0 for s in (*starts, layout.capacity))
+    dest, row = layout.dest.tolist(), 0
+    for c, s, e in zip(counts, starts, ends, strict=True):
+        assert dest[row : row + c] == list(range(s, s + c))  # in order, from the block start
+        assert e - s >= c
+        row += c
+    if on_device:  # a bound that depends on m and the experts only: nothing read on the host
+        assert layout.capacity == -(-(m + len(counts) * 15) // 16) * 16
+    else:
+        assert layout.capacity == sum(-(-c // 16) * 16 for c in counts)
+
+
+def test_padded_scatter_and_gather_round_trip() -> None:
+    counts = [3, 0, 20]
+    x = torch.randn(23, 32)
+    layout = padded_rows(counts, 23, torch.device("cpu"))
+    q = quantize_rows(x)
+    padded = layout.scatter(q)
+    assert padded.data.shape == (layout.capacity, 32)
+    back = Fp8Rows(layout.gather(padded.data), layout.gather(padded.inv_scale))
+    assert torch.equal(back.dequantize(), q.dequantize())
+    pad = torch.ones(layout.capacity, dtype=torch.bool)
+    pad[layout.dest] = False
+    assert torch.equal(padded.data[pad].float(), torch.zeros(int(pad.sum()), 32))
+
+
+def test_emulated_grouped_gemm_is_each_group_times_its_weight() -> None:
+    gen = torch.Generator().manual_seed(1)
+    counts, k, n = [16, 0, 32, 16], 48, 24
+    a = quantize_rows(torch.randn(64, k, generator=gen))
+    b = quantize_rows(torch.randn(4, n, k, generator=gen))
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    out = fp8_grouped_mm(a, b, ends, torch.float32)
+    xa, wb = a.dequantize().double(), b.dequantize().double()
+    bounds = [0, *ends.tolist()]
+    for g, (s, e) in enumerate(pairwise(bounds)):
+        exact = xa[s:e] @ wb[g].t()
+        slack = k * 2.0**-24 * (xa[s:e].abs() @ wb[g].abs().t())
+        assert bool(((out[s:e].double() - exact).abs() <= slack).all()), g
+
+
+def _quantize_sharded(dim: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(7)
+    full = torch.randn(6, 40, generator=gen) * torch.logspace(-3, 3, 40)
+    full = full if dim == 1 else full.t().contiguous()
+    mine = full.chunk(world, dim=-1)[rank]
+    q, whole = quantize_rows(mine, dist.group.WORLD), quantize_rows(full)
+    assert torch.equal(q.inv_scale, whole.inv_scale)  # the row's amax over every shard
+    assert torch.equal(
+        q.data.view(torch.uint8), whole.data.chunk(world, dim=-1)[rank].view(torch.uint8)
+    )
+
+
+@pytest.mark.parametrize("dim", [1, 0])
+def test_sharded_rows_quantise_as_one_process(dist_pool: DistPool, dim: int) -> None:
+    dist_pool.run(_quantize_sharded, 2, args=(dim,))
