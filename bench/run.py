@@ -834,6 +834,45 @@ SUITES["s17b"] = [
     SUITES["owed13"][4],
 ]  # fmt: skip
 
+# the seventeenth session: the FP8 expert FFN (model.moe_expert_fp8, issue 22's "the expert
+# FFN in FP8 as an option"). s17c: its GPU tests (torch._scaled_grouped_mm against the
+# emulation, eager and compiled) with the owed MLA cuDNN test, then deepseek-v3-3b mb 4 x 8
+# (bf16 moments: room for the 2 bytes a parameter of cached fp8 expert weights) with and
+# without it. Prediction: -15 … -35 ms of ~925 (the probe's fwd+dgrad 1.21-1.56x on
+# ~173 ms of expert GEMMs, less the row quantisation and the padded layout's copies)
+_DSV3_5 = _DSV3_MB4.replace("--steps 3", "--steps 5") + " --set train.optimizer_moment_dtype=bf16"
+SUITES["s17c"] = [
+    ("fp8 expert + mla gpu tests", 120, "python3 -m pytest -q -p no:cacheprovider "
+                                        "packages/moe/tests/test_fp8_experts.py "
+                                        "packages/models/tests/test_mla.py "
+                                        "-k 'cuda or cudnn or padded_on_cuda'"),
+    ("deepseek-v3-3b mb 4 bf16 moments", 150, _DSV3_5.format(_STEP)),
+    ("deepseek-v3-3b mb 4 bf16 moments fp8 experts", 170,
+     _DSV3_5.format(_STEP) + " --set model.moe_expert_fp8=true"),
+]  # fmt: skip
+
+# s17d: the FP8 experts' loss beside bf16's and bf16's own spread (another micro-batch size,
+# the same global batch), deepseek-3b, 100 steps; prediction: within the spread after ~20 steps
+_MOE_LOSS = (
+    "python3 -m mega_pretrain --model.size deepseek-3b --train.seq_len 2048 --train.steps 100 "
+    "--train.global_batch_size 8 --train.compile true --train.log_interval 1 "
+    "--train.eval_interval 0 --checkpoint.save_interval 0 --run.out_dir /tmp/runs"
+)
+
+
+def _moe_loss_run(name: str, flags: str) -> str:
+    return f"{_MOE_LOSS} {flags} --run.name {name}; rc=$?; rm -rf /tmp/runs/{name}/checkpoints; exit $rc"
+
+
+SUITES["s17d"] = [
+    ("moe loss bf16 mb4", 150, _moe_loss_run("m-bf16", "--train.micro_batch_size 4")),
+    ("moe loss fp8 experts mb4", 150, _moe_loss_run("m-fp8e", "--train.micro_batch_size 4 "
+                                                              "--model.moe_expert_fp8 true")),
+    ("moe loss bf16 mb2", 150, _moe_loss_run("m-bf16-mb2", "--train.micro_batch_size 2")),
+    ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/m-bf16 /tmp/runs/m-bf16-mb2 "
+                    "/tmp/runs/m-fp8e"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -61,7 +61,7 @@ from mega_pretrain.runtime import (
 from mega_pretrain.schedule import lr_at
 from mega_pretrain.signals import RUN_END_FILE, StopRequest, write_run_end
 from mega_pretrain.step import Microbatch, StepRunner
-from mega_pretrain.validate import check_config
+from mega_pretrain.validate import check_config, check_expert_fp8_device
 from mega_pretrain.wandb_sink import check_wandb
 
 __all__ = ["RunSummary", "TrainingError", "train"]
@@ -130,6 +130,7 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     )
     config, auto_line = resolve_micro_batch(config, model, world, memory)
     plan = check_config(config, model, world)  # before any process group exists
+    check_expert_fp8_device(config, model, device.type)
     check_wandb(config)
     timeout = collective_timeout(config.run.timeout_minutes)
     started = start_distributed(device, timeout)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from mega_models import GPTConfig
 from mega_pretrain.config import TrainerConfig
 from mega_pretrain.data import check_vocab
@@ -14,7 +16,7 @@ from mega_pretrain.runtime import resolve_precision
 from mega_pretrain.sharding import check_sharding
 from mega_tp_layers import check_amax_history, check_amax_interval, check_amax_margin
 
-__all__ = ["check_config"]
+__all__ = ["check_config", "check_expert_fp8_device"]
 
 
 def _check_v_schedule(schedule: str, microbatches: int, pp: int) -> None:
@@ -54,6 +56,43 @@ def _check_fp8_weight_cache(config: TrainerConfig) -> None:
             "train.fp8_weight_cache writes its buffers inside the layers' forward, which "
             "train.compile_mode reduce-overhead (CUDA graphs) has not been run with; use "
             "compile_mode default or train.fp8_weight_cache false"
+        )
+
+
+def _check_expert_fp8_layout(config: TrainerConfig, model: GPTConfig) -> None:
+    """``model.moe_expert_fp8``: what the FP8 experts' weight cache cannot serve."""
+    p = config.parallel
+    if model.moe_expert_fp8 and p.zero_stage == "parameters":
+        raise ValueError(
+            f"model.moe_expert_fp8 keeps every local expert's weight in fp8 for the whole step, "
+            f"which parallel.sharding {p.sharding} (ZeRO-3) exists to avoid; turn one of them off"
+        )
+
+
+def check_expert_fp8_device(
+    config: TrainerConfig,
+    model: GPTConfig,
+    device_type: str,
+    capability: tuple[int, int] | None = None,
+) -> None:
+    """``model.moe_expert_fp8``: what the FP8 experts need of the device (``capability``:
+    the CUDA device's, read from it when not given). Elsewhere the same fp8 values are
+    multiplied in fp32 (tests, CPU runs)."""
+    t = config.train
+    if not model.moe_expert_fp8 or device_type != "cuda":
+        return  # the same fp8 values multiplied in fp32 (tests, CPU runs)
+    if capability is None:
+        capability = torch.cuda.get_device_capability()
+    if capability < (9, 0):
+        raise ValueError(
+            f"model.moe_expert_fp8 runs torch._scaled_grouped_mm, which needs a GPU of compute "
+            f"capability 9.0 or newer (this one: {capability[0]}.{capability[1]}); turn it off"
+        )
+    precision = resolve_precision(t.precision, device_type)
+    if precision != "bf16":
+        raise ValueError(
+            f"model.moe_expert_fp8 on a GPU takes bf16 activations, but train.precision is "
+            f"{t.precision} ({precision}); set --train.precision bf16 or turn it off"
         )
 
 
@@ -154,6 +193,7 @@ def check_config(config: TrainerConfig, model: GPTConfig, world_size: int) -> Pl
             "optimizer_kernel 'torch' or turn the offload off"
         )
     _check_moment_dtype(config)
+    _check_expert_fp8_layout(config, model)
     check_compile_mode(config, model)  # train.compile_mode (CUDA graphs)
     precision = resolve_precision(t.precision)
     if t.fp8_recipe != "tensor" and not t.fp8:
