@@ -312,3 +312,69 @@ def test_fp8_layer_on_cuda_is_near_the_bf16_layer(compiled: bool) -> None:
         distance = float((eager - ref).abs().max())
         assert 0 < distance <= 2.0**-3 * float(ref.abs().max()), (what, distance)
         assert float((other - ref).abs().max()) <= 2 * distance, what
+
+
+# the dispatcher's aligned layout (one rank, dropless) -----------------------------------
+
+
+def test_aligned_dispatch_computes_what_the_unaligned_one_does() -> None:
+    """The MoE layer with its tokens laid out at 16-row multiples by the dispatcher (gaps
+    of zero rows) against the plain layout, fp32 experts: the same sums in another
+    order (the chain of test_wgrad_into_main_grad's N, over the layer's tokens)."""
+    torch.manual_seed(1)
+    x = torch.randn(8, 2, H)
+    results = []
+    for align in (1, 16):
+        layer = _moe(False)
+        layer.dispatcher.row_align = align
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.square().sum().backward()
+        assert xi.grad is not None
+        grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+        results.append((out.detach(), xi.grad, grads))
+    (out1, gx1, g1), (out16, gx16, g16) = results
+    assert_close_to_reference(out16, out1, reduction_length=N, name="output")
+    assert_close_to_reference(gx16, gx1, reduction_length=N, name="input grad")
+    assert set(g1) == set(g16)
+    for name, grad in g1.items():
+        assert_close_to_reference(g16[name], grad, reduction_length=N, name=name)
+
+
+def test_fp8_layer_takes_the_aligned_layout_alone_and_pads_otherwise() -> None:
+    layer = _moe(True)
+    tokens = torch.randn(16, H)
+    routing = layer.router(tokens.view(8, 2, H))
+    dispatched = layer.dispatcher.dispatch(tokens, routing)
+    assert dispatched.aligned
+    counts = dispatched.counts
+    assert isinstance(counts, Tensor) and bool((counts % 16 == 0).all())
+    assert int(counts.sum()) == dispatched.tokens.shape[0] >= 16 * 2
+    assert not _moe(False).dispatcher.dispatch(tokens, routing).aligned
+
+
+def test_aligned_fp8_experts_equal_the_padding_ones() -> None:
+    """The fp8 experts on rows the dispatcher aligned against the same rows unaligned
+    (padded inside the GEMMs): dyadic data, so each quantises the same values."""
+    solo, x, dy = _solo_and_data()
+    plain_x = x.clone().requires_grad_()
+    plain = solo(plain_x, COUNTS)
+    plain.backward(dy)
+    layout = padded_rows(COUNTS, M, torch.device("cpu"))
+    assert layout.dest is not None
+    ends = layout.ends.tolist()
+    sizes = torch.tensor([ends[0], *(b - a for a, b in pairwise(ends))])
+    padded_x = torch.zeros(layout.capacity, H).index_copy(0, layout.dest, x).requires_grad_()
+    padded_dy = torch.zeros(layout.capacity, H).index_copy(0, layout.dest, dy)
+    grads = {n: p.grad.clone() for n, p in solo.named_parameters() if p.grad is not None}
+    solo.zero_grad()
+    out = solo(padded_x, sizes, aligned=True)
+    out.backward(padded_dy)
+    assert padded_x.grad is not None and plain_x.grad is not None
+    assert_close_to_reference(out.detach()[layout.dest], plain.detach(), reduction_length=N,
+                              name="output")  # fmt: skip
+    assert_close_to_reference(padded_x.grad[layout.dest], plain_x.grad, reduction_length=N,
+                              name="input grad")  # fmt: skip
+    for name, grad in grads.items():
+        got = getattr(solo, name).grad
+        assert_close_to_reference(got, grad, reduction_length=N, name=name)

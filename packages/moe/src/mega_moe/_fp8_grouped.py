@@ -25,7 +25,7 @@ from torch.autograd import Function
 
 from mega_moe._comm import Group
 from mega_moe._gemm import _grouped_wgrad, _offsets, grouped_mm_available
-from mega_moe.fp8_rows import Fp8Rows, PaddedRows, padded_rows, quantize_rows
+from mega_moe.fp8_rows import Fp8Rows, PaddedRows, aligned_rows, padded_rows, quantize_rows
 from mega_moe.wgrad_accum import wgrad_into_main_grad
 from mega_tp_layers import WeightGradStore
 
@@ -77,13 +77,17 @@ class _Fp8GroupedLinear(Function):
         wt: Tensor,
         wt_scale: Tensor,
         counts: list[int] | Tensor,
+        aligned: bool,
         use_grouped_mm: bool,
         groups: tuple[Group, Group],
         wgrad: tuple[Tensor | None, WeightGradStore | None, tuple[Tensor]],
     ) -> Tensor:
-        layout = padded_rows(counts, x.shape[0], x.device)
-        ctx.save_for_backward(x, weight, layout.dest, layout.ends, wt, wt_scale,
+        rows = aligned_rows if aligned else padded_rows
+        layout = rows(counts, x.shape[0], x.device)
+        dest = [] if layout.dest is None else [layout.dest]
+        ctx.save_for_backward(x, weight, layout.ends, wt, wt_scale, *dest,
                               *([counts] if isinstance(counts, Tensor) else []))  # fmt: skip
+        ctx.aligned = aligned
         ctx.host_counts = None if isinstance(counts, Tensor) else counts
         ctx.capacity, ctx.fast, ctx.dgrad_group, ctx.wgrad = (
             layout.capacity,
@@ -95,8 +99,9 @@ class _Fp8GroupedLinear(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, dest, ends_p, wt, wt_scale, *device_counts = ctx.saved_tensors
-        counts = device_counts[0] if device_counts else ctx.host_counts
+        x, weight, ends_p, wt, wt_scale, *rest = ctx.saved_tensors
+        dest = None if ctx.aligned else rest.pop(0)
+        counts = rest[0] if rest else ctx.host_counts
         grad = grad.contiguous()  # [M, N]
         key, store, params = ctx.wgrad
         fast = ctx.fast
@@ -119,7 +124,7 @@ class _Fp8GroupedLinear(Function):
         if ctx.needs_input_grad[0]:
             layout = PaddedRows(dest, ends_p, ctx.capacity)
             grad_x = _gemm(grad, Fp8Rows(wt, wt_scale), layout, ctx.dgrad_group)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def fp8_grouped_linear(
@@ -130,6 +135,7 @@ def fp8_grouped_linear(
     *,
     param: Tensor,
     use_grouped_mm: bool,
+    aligned: bool = False,
     k_group: Group = None,
     n_group: Group = None,
     into_main: Tensor | None = None,
@@ -139,6 +145,8 @@ def fp8_grouped_linear(
     view of the parameter), forward and input gradient in fp8 with ``quantized``'s
     (forward, input-gradient) operands (:meth:`Fp8ExpertWeights.quantized`).
 
+    ``aligned``: every block of ``counts`` is a multiple of 16 rows already (the dispatcher's
+    aligned layout), so nothing is copied to pad them.
     ``k_group`` / ``n_group``: the group K / N is sharded over (etp), so row scales span it.
     ``use_grouped_mm``: the weight gradient runs ``torch._grouped_mm`` (else a loop).
     ``param``: the parameter ``weight`` is a view of. ``into_main``: the weight gradient goes
@@ -149,7 +157,7 @@ def fp8_grouped_linear(
     if store is not None:  # the parameter in a tuple: an edge would run its accumulator in B
         weight = weight.detach()
     out: Tensor = _Fp8GroupedLinear.apply(
-        x, weight, w, w_scale, wt, wt_scale, counts, use_grouped_mm, (k_group, n_group),
+        x, weight, w, w_scale, wt, wt_scale, counts, aligned, use_grouped_mm, (k_group, n_group),
         (into_main, store, (param,)),
     )  # fmt: skip
     return out

@@ -2,6 +2,9 @@
 
 Token order inside one expert's block is ascending token index. A padded layout gives
 every expert exactly ``capacity`` rows; empty slots point at a sentinel zero row ``N``.
+An aligned layout (``sort_by_expert(..., align=16)``, for the FP8 experts' grouped GEMMs)
+starts every expert's block at a multiple of 16 rows, the gaps and the last block's tail
+pointing at the same sentinel (see :func:`mega_moe.fp8_rows.padded_rows`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mega_moe.fp8_rows import padded_rows
+
 __all__ = ["Permutation", "capacity_slots", "chunk_permutation", "sort_by_expert"]
+
+
+def _with_zero_row(x: Tensor) -> Tensor:
+    """``[R, ...] -> [R + 1, ...]``: row R (the sentinel of padded layouts) is zero."""
+    return torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -19,17 +29,21 @@ class _PermuteRows(torch.autograd.Function):
 
     ``index_select``'s own backward is an ``index_add`` into zeros: atomic adds, slow in
     bf16 on the GPU; for a permutation the gather by its inverse is the same, exactly.
+    ``padded``: ``x`` has rows that ``perm`` never picks (an aligned layout's gaps), whose
+    ``inverse`` entries are the sentinel ``len(perm)``: their gradient is zero.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, perm: Tensor, inverse: Tensor, padded: bool = False) -> Tensor:
         ctx.save_for_backward(inverse)
+        ctx.padded = padded
         return x.index_select(0, perm)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        source = _with_zero_row(grad) if ctx.padded else grad
+        return source.index_select(0, inverse), None, None, None
 
 
 class _RepeatRows(torch.autograd.Function):
@@ -44,6 +58,8 @@ class _RepeatRows(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, token_idx: Tensor, inverse: Tensor, k: int) -> Tensor:
         ctx.save_for_backward(inverse)
         ctx.k = k
+        if token_idx.numel() > inverse.numel():  # an aligned layout: gaps at the sentinel
+            x = _with_zero_row(x)
         return x.index_select(0, token_idx)
 
     @staticmethod
@@ -81,7 +97,7 @@ class Permutation:
             out: Tensor = _RepeatRows.apply(x, self.token_idx, self.order[1], self.per_token)
             return out
         if self.padded:
-            x = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # [N+1, ...], row N is zero
+            x = _with_zero_row(x)  # [N+1, ...], row N is zero
         return x.index_select(0, self.token_idx)
 
     def weights(self, probs: Tensor) -> Tensor:
@@ -102,9 +118,10 @@ class Permutation:
         k = self.per_token
         if k is not None and self.order is not None:
             expert_major, token_major = self.order
-            rows: Tensor = _PermuteRows.apply(y, token_major, expert_major)
+            gaps = self.padded  # an aligned layout's gap rows carry no token
+            rows: Tensor = _PermuteRows.apply(y, token_major, expert_major, gaps)
             per = rows.view(self.num_tokens, k, y.shape[-1])  # [N, k, h]
-            row_w: Tensor = _PermuteRows.apply(weights.float(), token_major, expert_major)
+            row_w: Tensor = _PermuteRows.apply(weights.float(), token_major, expert_major, gaps)
             w = row_w.view(self.num_tokens, k, 1)
             acc = per[:, 0].float() * w[:, 0]
             for j in range(1, k):  # k small: one fused kernel compiled, k products eager
@@ -116,11 +133,16 @@ class Permutation:
         return out[: self.num_tokens].to(y.dtype)
 
 
-def sort_by_expert(routing_map: Tensor, per_token: int | None = None) -> tuple[Permutation, Tensor]:
+def sort_by_expert(
+    routing_map: Tensor, per_token: int | None = None, align: int = 1
+) -> tuple[Permutation, Tensor]:
     """The kept (token, expert) pairs of ``routing_map [N, E]`` in expert-major order.
 
     ``per_token``: every row of the map holds exactly this many True (no dropping).
-    Returns the permutation and the per-expert counts ``[E]`` (on the device).
+    ``align`` 16 (needs ``per_token``): every expert's block starts at a multiple of 16
+    rows, as :func:`mega_moe.fp8_rows.padded_rows` lays them out (its static capacity).
+    Returns the permutation and the per-expert row counts ``[E]`` (on the device; aligned:
+    the blocks' sizes, gaps included, the last one taking the tail).
     """
     n = routing_map.shape[0]
     counts = routing_map.sum(dim=0)
@@ -134,6 +156,8 @@ def sort_by_expert(routing_map: Tensor, per_token: int | None = None) -> tuple[P
         token_idx = torch.div(order, per_token, rounding_mode="floor")
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
+        if align > 1:
+            return _aligned(token_idx, flat[order], order, inverse, counts, n, per_token)
         perm = Permutation(
             token_idx, flat[order], n, padded=False, per_token=per_token, order=(order, inverse)
         )
@@ -141,6 +165,33 @@ def sort_by_expert(routing_map: Tensor, per_token: int | None = None) -> tuple[P
     pairs = routing_map.t().nonzero()  # [M, 2] (expert, token), expert-major
     perm = Permutation(pairs[:, 1], pairs[:, 0], n, padded=False, per_token=per_token)
     return perm, counts
+
+
+def _aligned(
+    token_idx: Tensor,
+    expert_idx: Tensor,
+    order: Tensor,
+    inverse: Tensor,
+    counts: Tensor,
+    n: int,
+    k: int,
+) -> tuple[Permutation, Tensor]:
+    """The expert-major permutation moved into the 16-row aligned layout: each row at its
+    padded place, the gaps pointing at the sentinels (token ``n``, token-major row ``n*k``)."""
+    rows = token_idx.numel()
+    layout = padded_rows(counts, rows, token_idx.device)
+    dest, cap = layout.dest, layout.capacity
+    assert dest is not None
+
+    def placed(values: Tensor, fill: int) -> Tensor:
+        out = torch.full((cap,), fill, dtype=values.dtype, device=values.device)
+        return out.index_copy(0, dest, values)
+
+    ends = layout.ends.long()
+    sizes = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    perm = Permutation(placed(token_idx, n), placed(expert_idx, 0), n, padded=True, per_token=k,
+                       order=(placed(order, rows), dest[inverse]))  # fmt: skip
+    return perm, sizes
 
 
 def capacity_slots(routing_map: Tensor, capacity: int) -> Permutation:

@@ -33,6 +33,7 @@ from mega_moe._comm import (
     reduce_scatter_rows,
 )
 from mega_moe._permute import Permutation, capacity_slots, chunk_permutation, sort_by_expert
+from mega_moe.fp8_rows import FP8_ROW_ALIGN
 from mega_moe.router import Routing
 
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "Dispatched"]
@@ -60,6 +61,9 @@ class Dispatched:
     weights: Tensor
     etp: _EtpState
     splits: tuple[list[int], list[int]]  # (sent per ep rank, received per ep rank)
+    aligned: bool = False
+    """Every local expert's block is a multiple of 16 rows (zero rows in the gaps): the
+    dispatcher laid the tokens out for the FP8 experts' grouped GEMMs (``row_align``)."""
 
 
 def _to_experts(
@@ -89,8 +93,15 @@ def _from_experts(y: Tensor, state: _EtpState, etp: Group) -> Tensor:
 
 
 class _Dispatcher:
-    def __init__(self, num_experts: int, *, ep_group: Group, etp_group: Group) -> None:
+    def __init__(
+        self, num_experts: int, *, ep_group: Group, etp_group: Group, row_align: int = 1
+    ) -> None:
         owner = type(self).__name__
+        if row_align not in (1, FP8_ROW_ALIGN):
+            raise ValueError(f"{owner} row_align ({row_align!r}) must be 1 or {FP8_ROW_ALIGN}")
+        self.row_align = row_align
+        """16: where one rank holds every expert and nothing is dropped, lay each expert's
+        tokens out at a multiple of 16 rows (the FP8 experts then copy nothing to pad)."""
         self.ep_group = check_group(ep_group, "ep_group", owner)
         self.etp_group = check_group(etp_group, "etp_group", owner)
         ep = group_size(ep_group)
@@ -158,19 +169,21 @@ class AllToAllDispatcher(_Dispatcher):
             self._check_same_token_count(tokens.shape[0], tokens.device)
             perm = capacity_slots(routing.routing_map, routing.capacity)
             counts = torch.full((e,), routing.capacity, dtype=torch.long, device=tokens.device)
-        else:
+        etp_size = group_size(self.etp_group)
+        alone = ep == 1 and etp_size == 1 and not routing.pad_to_capacity
+        if not routing.pad_to_capacity:
             per_token = routing.top_k if routing.capacity is None else None
-            perm, counts = sort_by_expert(routing.routing_map, per_token)  # counts [E]
+            align = self.row_align if alone and per_token is not None else 1
+            perm, counts = sort_by_expert(routing.routing_map, per_token, align)  # counts [E]
         weights = perm.weights(routing.probs)  # [M_send]
         send = perm.gather(tokens)  # [N, h] -> [M_send, h] expert-major
-        etp_size = group_size(self.etp_group)
-        if ep == 1 and etp_size == 1 and not routing.pad_to_capacity:
+        if alone:
             # one rank holds every expert: nothing travels, so the counts stay on the
             # device (the grouped GEMM takes its offsets from them): no host sync
             m = send.shape[0]
             side = during() if during is not None else None
             return Dispatched(send, counts, side, perm, weights, _EtpState([m], None, None),
-                              ([m], [m]))  # fmt: skip
+                              ([m], [m]), aligned=align > 1)  # fmt: skip
         if routing.pad_to_capacity:
             # every chunk is exactly `capacity` rows (each rank routes as many tokens), so
             # the split sizes are known on the host: no count exchange, no host sync

@@ -353,9 +353,10 @@ class GroupedMLP(ShardedModule):
             )
         return available
 
-    def forward(self, x: Tensor, counts: list[int] | Tensor) -> Tensor:
+    def forward(self, x: Tensor, counts: list[int] | Tensor, aligned: bool = False) -> Tensor:
         """``[M, h]`` expert-major (``counts[l]`` rows for local expert l) -> ``[M, h]``;
-        ``counts`` on the host or ``[L]`` on the device."""
+        ``counts`` on the host or ``[L]`` on the device. ``aligned``: every count is a
+        multiple of 16 (the dispatcher's layout for fp8; the fp8 GEMMs then pad nothing)."""
         _check_tokens("GroupedMLP", x, counts, self.layout)
         fast = self.uses_grouped_mm(x)
         w1 = self.weight1.flatten(1, 2)  # [L, G*ffn/etp, h]
@@ -367,13 +368,13 @@ class GroupedMLP(ShardedModule):
             mains = (main1, main2) if torch.is_grad_enabled() else (None, None)
             h = fp8_grouped_linear(
                 x, w1, counts, self.fp8_weight1.quantized(w1), param=self.weight1,
-                use_grouped_mm=fast, n_group=etp, into_main=mains[0], store=store,
+                use_grouped_mm=fast, aligned=aligned, n_group=etp, into_main=mains[0], store=store,
             )  # fmt: skip
             a = expert_activation(h, self.layout.gated)
             return fp8_grouped_linear(
                 a, self.weight2, counts, self.fp8_weight2.quantized(self.weight2),
-                param=self.weight2, use_grouped_mm=fast, k_group=etp, into_main=mains[1],
-                store=store,
+                param=self.weight2, use_grouped_mm=fast, aligned=aligned, k_group=etp,
+                into_main=mains[1], store=store,
             )  # fmt: skip
         if store is not None:  # the weight gradients wait for the W pass
             h = split_grouped_linear(x, w1, counts, fast, self.weight1, store, main1)

@@ -20,6 +20,7 @@ under ``torch.compile`` nothing is read on the host.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "FP8_ROW_ALIGN",
     "Fp8Rows",
     "PaddedRows",
+    "aligned_rows",
     "padded_rows",
     "quantize_rows",
 ]
@@ -71,8 +73,8 @@ def quantize_rows(t: Tensor, group: Group = None) -> Fp8Rows:
 class PaddedRows(NamedTuple):
     """Where each row of an expert-major ``[M, ...]`` tensor goes in the padded layout."""
 
-    dest: Tensor
-    """``[M]`` int64: the padded row of each row."""
+    dest: Tensor | None
+    """``[M]`` int64: the padded row of each row (None: the rows are already so laid out)."""
     ends: Tensor
     """``[L]`` int32: the end row of each expert's padded block (the last one is
     ``capacity``); every block is a multiple of :data:`FP8_ROW_ALIGN` rows."""
@@ -81,16 +83,27 @@ class PaddedRows(NamedTuple):
 
     def scatter(self, rows: Fp8Rows) -> Fp8Rows:
         """``[M, C]`` -> ``[capacity, C]``, zero rows (scale 1) in the padding."""
+        if self.dest is None:
+            return rows
         c = rows.data.shape[1]
         data = torch.zeros(self.capacity, c, dtype=torch.uint8, device=rows.data.device)
         data.index_copy_(0, self.dest, rows.data.view(torch.uint8))
-        scale = torch.ones(self.capacity, dtype=rows.inv_scale.dtype, device=self.dest.device)
+        scale = torch.ones(self.capacity, dtype=rows.inv_scale.dtype, device=rows.data.device)
         scale.index_copy_(0, self.dest, rows.inv_scale)
         return Fp8Rows(data.view(E4M3), scale)
 
     def gather(self, padded: Tensor) -> Tensor:
         """``[capacity, C]`` -> ``[M, C]``: the rows :meth:`scatter` placed, in their order."""
-        return padded.index_select(0, self.dest)
+        return padded if self.dest is None else padded.index_select(0, self.dest)
+
+
+def aligned_rows(counts: list[int] | Tensor, m: int, device: torch.device) -> PaddedRows:
+    """The layout of ``m`` rows whose blocks (``counts``) already are multiples of 16."""
+    if isinstance(counts, Tensor):
+        ends = torch.cumsum(counts.to(device), 0).to(torch.int32)
+    else:
+        ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
+    return PaddedRows(None, ends, m)
 
 
 def padded_rows(counts: list[int] | Tensor, m: int, device: torch.device) -> PaddedRows:

@@ -14,6 +14,7 @@ from mega_moe._comm import Group, check_group, group_size
 from mega_moe.config import MoEConfig
 from mega_moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mega_moe.experts import GroupedMLP, SequentialMLP
+from mega_moe.fp8_rows import FP8_ROW_ALIGN
 from mega_moe.router import RoutingStats, TopKRouter
 from mega_moe.shared import SharedExpertMLP
 from mega_tp_layers import InitMethod, gather_from_sequence_region, scatter_to_sequence_region
@@ -137,7 +138,8 @@ class MoELayer(nn.Module):
                 **common,
             )
         kind = AllToAllDispatcher if config.dispatcher == "alltoall" else AllGatherDispatcher
-        self.dispatcher = kind(config.num_experts, ep_group=ep_group, etp_group=etp_group)
+        self.dispatcher = kind(config.num_experts, ep_group=ep_group, etp_group=etp_group,
+                               row_align=FP8_ROW_ALIGN if config.expert_fp8 else 1)  # fmt: skip
         self.last_stats: RoutingStats | None = None
         self.aux_loss_scale = 1.0
         """Gradient of the router losses when ``aux_loss_in_backward`` (e.g. 1/microbatches)."""
@@ -166,7 +168,11 @@ class MoELayer(nn.Module):
         if shared is not None and self.config.overlap_shared_experts:
             during = partial(shared, x)
         dispatched = self.dispatcher.dispatch(local.reshape(-1, h), routing, during)
-        y = self.experts(dispatched.tokens, dispatched.counts)  # [M, h]
+        if dispatched.aligned:
+            assert isinstance(self.experts, GroupedMLP)
+            y = self.experts(dispatched.tokens, dispatched.counts, aligned=True)  # [M, h]
+        else:
+            y = self.experts(dispatched.tokens, dispatched.counts)
         out = self.dispatcher.combine(y, dispatched).view_as(local)  # [N, h] -> [s/tp, b, h]
         if split:
             assert group is not None  # [s/tp, b, h] -> [s, b, h]; bwd: keep own slice
