@@ -864,6 +864,15 @@ def _moe_loss_run(name: str, flags: str) -> str:
     return f"{_MOE_LOSS} {flags} --run.name {name}; rc=$?; rm -rf /tmp/runs/{name}/checkpoints; exit $rc"
 
 
+# s17e: s17d cut to what one call after s17c can hold (80 steps, no spread run)
+SUITES["s17e"] = [
+    ("moe loss bf16 mb4", 130, _moe_loss_run("m-bf16", "--train.micro_batch_size 4 --train.steps 80")),
+    ("moe loss fp8 experts mb4", 130, _moe_loss_run("m-fp8e", "--train.micro_batch_size 4 "
+                                                              "--train.steps 80 "
+                                                              "--model.moe_expert_fp8 true")),
+    ("compare", 20, "python3 bench/compare_runs.py /tmp/runs/m-bf16 /tmp/runs/m-fp8e"),
+]  # fmt: skip
+
 SUITES["s17d"] = [
     ("moe loss bf16 mb4", 150, _moe_loss_run("m-bf16", "--train.micro_batch_size 4")),
     ("moe loss fp8 experts mb4", 150, _moe_loss_run("m-fp8e", "--train.micro_batch_size 4 "
