@@ -19,6 +19,7 @@ from mega_parallel_grid import init_process_groups
 from mega_parallel_grid.testing import DistPool, rank_device
 from mega_pretrain.build import build, gpt_config, parallel_config
 from mega_pretrain.config import load_config
+from mega_pretrain.estimate import estimate
 from mega_pretrain.step import StepRunner
 from mega_pretrain.validate import check_config, check_expert_fp8_device
 
@@ -113,3 +114,19 @@ def test_device_errors(capability: tuple[int, int], precision: str, message: str
         check_expert_fp8_device(config, gpt_config(config), "cuda", capability)
     assert str(info.value) == message
     check_expert_fp8_device(config, gpt_config(config), "cpu")  # emulated: no device needs
+
+
+def _expert_cache_bytes() -> tuple[int, int]:
+    """(estimated cache bytes, the built expert caches' bytes)."""
+    config = _config(True, False)
+    plan = check_config(config, gpt_config(config), 1)
+    built = build(config, init_process_groups(parallel_config(config)), rank_device())
+    caches = [m for c in built.chunks for m in c.modules() if isinstance(m, Fp8ExpertWeights)]
+    return estimate(plan).fp8_cache, sum(c.data.numel() + c.data_t.numel() for c in caches)
+
+
+def test_estimate_counts_the_expert_cache(dist_pool: DistPool) -> None:
+    """Two bytes a routed expert parameter (one e4m3 copy by rows, one by columns): exactly
+    what the built caches hold (their fp32 scales, a 1/K share, are not counted)."""
+    [(est, real)] = dist_pool.run(_expert_cache_bytes, 1)
+    assert est == real > 0, (est, real)

@@ -33,8 +33,9 @@ class Estimate:
     (and the masters' gradients), which :attr:`optimizer` then leaves off the device."""
     fp8_cache: int = 0
     """``train.fp8_weight_cache``: each transformer layer's fp8 weights and their transposes,
-    two bytes a parameter of the rank's layers (routed experts excepted: they run in bf16;
-    the layers' norms are counted too, a fraction of a percent)."""
+    two bytes a parameter of the rank's layers (routed experts excepted; the layers' norms
+    are counted too, a fraction of a percent). ``model.moe_expert_fp8``: the same two bytes
+    for every routed expert parameter of the rank."""
 
     @property
     def total(self) -> int:
@@ -108,6 +109,8 @@ def estimate(plan: Plan) -> Estimate:
     if t.fp8 and t.fp8_weight_cache:  # the layers' dense parameters (the embedding excepted)
         layer_params = dense_rank - spec.params_per_rank(model, parallel, 0)[0]
         fp8_cache = 2 * layer_params
+    if model.moe_expert_fp8:  # the local experts' fp8 weights, by row and transposed
+        fp8_cache += 2 * expert_rank
     return Estimate(
         total_params=total, params_per_rank=per_rank, weights=weights, grads=grads,
         optimizer=optimizer, activations=activations + logits,
