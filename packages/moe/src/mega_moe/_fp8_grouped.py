@@ -100,8 +100,9 @@ class _Fp8GroupedLinear(Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, ends_p, wt, wt_scale, *rest = ctx.saved_tensors
-        dest = None if ctx.aligned else rest.pop(0)
-        counts = rest[0] if rest else ctx.host_counts
+        dest = None if ctx.aligned else rest[0]  # no list.pop: torch 2.11's Dynamo refuses it
+        device_counts = rest[0 if ctx.aligned else 1 :]
+        counts = device_counts[0] if device_counts else ctx.host_counts
         grad = grad.contiguous()  # [M, N]
         key, store, params = ctx.wgrad
         fast = ctx.fast
