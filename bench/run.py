@@ -864,6 +864,18 @@ def _moe_loss_run(name: str, flags: str) -> str:
     return f"{_MOE_LOSS} {flags} --run.name {name}; rc=$?; rm -rf /tmp/runs/{name}/checkpoints; exit $rc"
 
 
+# what the seventeenth session owes (one GPU, one call, ~520 s): the FP8 experts' GPU tests,
+# then deepseek-v3-3b with and without them after the coalesced transposed weight
+# quantisation (-12 ms predicted: 15.5 ms of a 1.3 ms kernel a layer a step), and the bf16
+# step's profile (its grouped-GEMM time beside the fp8 profile's 103.8 ms)
+SUITES["s18a"] = [
+    SUITES["s17c"][0],
+    SUITES["s17c"][1],
+    SUITES["s17c"][2],
+    ("profile deepseek-v3-3b bf16 moments", 150,
+     _DSV3_5.format(_STEP).replace("--steps 5 --warmup 2", "--steps 2 --warmup 2 --profile 1")),
+]  # fmt: skip
+
 # s17e: s17d cut to what one call after s17c can hold (80 steps, no spread run)
 SUITES["s17e"] = [
     ("moe loss bf16 mb4", 130, _moe_loss_run("m-bf16", "--train.micro_batch_size 4 --train.steps 80")),

@@ -17,7 +17,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mega_moe._fp8_grouped import fp8_grouped_mm
-from mega_moe.fp8_rows import FP8_ROW_ALIGN, Fp8Rows, padded_rows, quantize_rows
+from mega_moe.fp8_rows import (
+    FP8_ROW_ALIGN,
+    Fp8Rows,
+    padded_rows,
+    quantize_columns_transposed,
+    quantize_rows,
+)
 from mega_parallel_grid.testing import DistPool
 
 _FMAX = 448.0
@@ -41,6 +47,16 @@ def test_quantize_rows_is_within_half_an_ulp() -> None:
     # the largest magnitude of each row lands on e4m3's largest value
     top = q.data.float().abs().amax(dim=-1)
     torch.testing.assert_close(top, torch.full_like(top, _FMAX), rtol=0, atol=0)
+
+
+def test_columns_transposed_are_the_transposes_rows_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 40, 24, generator=gen) * torch.logspace(-4, 4, 24)
+    for t in (w, w.bfloat16()):
+        got, want = quantize_columns_transposed(t), quantize_rows(t.transpose(1, 2))
+        assert got.data.is_contiguous() and got.data.shape == (3, 24, 40)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.inv_scale, want.inv_scale)
 
 
 def test_quantize_rows_of_zeros_stays_finite() -> None:
@@ -96,6 +112,26 @@ def test_emulated_grouped_gemm_is_each_group_times_its_weight() -> None:
         exact = xa[s:e] @ wb[g].t()
         slack = k * 2.0**-24 * (xa[s:e].abs() @ wb[g].abs().t())
         assert bool(((out[s:e].double() - exact).abs() <= slack).all()), g
+
+
+def _columns_sharded() -> None:
+    """The transposed copy of a weight whose rows are split over the group (etp cuts fc1's
+    intermediate rows): each rank's columns scale as one process's whole columns."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(3))
+    mine = full.chunk(world, dim=1)[rank]
+    q, whole = (
+        quantize_columns_transposed(mine, dist.group.WORLD),
+        quantize_columns_transposed(full),
+    )
+    assert torch.equal(q.inv_scale, whole.inv_scale)
+    assert torch.equal(
+        q.data.view(torch.uint8), whole.data.chunk(world, dim=2)[rank].view(torch.uint8)
+    )
+
+
+def test_sharded_columns_quantise_as_one_process(dist_pool: DistPool) -> None:
+    dist_pool.run(_columns_sharded, 2)
 
 
 def _quantize_sharded(dim: int) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from mega_moe._comm import Group
-from mega_moe.fp8_rows import E4M3, Fp8Rows, quantize_rows
+from mega_moe.fp8_rows import E4M3, Fp8Rows, quantize_columns_transposed, quantize_rows
 from mega_tp_layers import WeightCache
 
 __all__ = ["Fp8ExpertWeights"]
@@ -59,7 +59,7 @@ class Fp8ExpertWeights(WeightCache):
         if not self.valid:
             with torch.no_grad():
                 rows = quantize_rows(weight, self.row_group)
-                cols = quantize_rows(weight.transpose(1, 2), self.col_group)
+                cols = quantize_columns_transposed(weight, self.col_group)
                 self.data.copy_(rows.data)
                 self.inv_scale.copy_(rows.inv_scale)
                 self.data_t.copy_(cols.data)

@@ -36,6 +36,7 @@ __all__ = [
     "PaddedRows",
     "aligned_rows",
     "padded_rows",
+    "quantize_columns_transposed",
     "quantize_rows",
 ]
 
@@ -58,16 +59,32 @@ class Fp8Rows(NamedTuple):
         return self.data.float() * self.inv_scale.unsqueeze(-1)
 
 
-def quantize_rows(t: Tensor, group: Group = None) -> Fp8Rows:
-    """``t [..., R, C]`` in e4m3, one scale per row over its last dimension; ``group``: the
-    last dimension is this rank's shard of a row split over the group."""
+def _quantize(t: Tensor, dim: int, group: Group) -> tuple[Tensor, Tensor]:
+    """``t`` in e4m3 with one scale per slice along ``dim`` (reduced away), and the
+    inverse scales; ``group``: ``dim`` is this rank's shard of a dimension split over it."""
     t32 = t.detach().float()
-    amax = t32.abs().amax(dim=-1)
+    amax = t32.abs().amax(dim=dim)
     if group_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale = _FMAX / amax.clamp(min=_EPS)
-    data = (t32 * scale.unsqueeze(-1)).clamp(-_FMAX, _FMAX).to(E4M3)
-    return Fp8Rows(data, scale.reciprocal())
+    data = (t32 * scale.unsqueeze(dim)).clamp(-_FMAX, _FMAX).to(E4M3)
+    return data, scale.reciprocal()
+
+
+def quantize_rows(t: Tensor, group: Group = None) -> Fp8Rows:
+    """``t [..., R, C]`` in e4m3, one scale per row over its last dimension; ``group``: the
+    last dimension is this rank's shard of a row split over the group."""
+    return Fp8Rows(*_quantize(t, -1, group))
+
+
+def quantize_columns_transposed(t: Tensor, group: Group = None) -> Fp8Rows:
+    """``quantize_rows(t.transpose(-2, -1), group)``, bit for bit, made by passes that read
+    ``t [..., R, C]`` along its contiguous last dimension: the amax down each column, the
+    cast in ``t``'s layout, then a transposing copy of the one-byte values. (Reducing along
+    the strided dimension of the transposed view ran at ~0.3 TB/s on an H200 under
+    Inductor: 1.3 ms a call for a ``deepseek-v3-3b`` expert weight, 2026-12-07.)"""
+    data, inv_scale = _quantize(t, -2, group)
+    return Fp8Rows(data.transpose(-2, -1).contiguous(), inv_scale)
 
 
 class PaddedRows(NamedTuple):
