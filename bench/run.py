@@ -864,14 +864,20 @@ def _moe_loss_run(name: str, flags: str) -> str:
     return f"{_MOE_LOSS} {flags} --run.name {name}; rc=$?; rm -rf /tmp/runs/{name}/checkpoints; exit $rc"
 
 
-# what the seventeenth session owes (one GPU, one call, ~520 s): the FP8 experts' GPU tests,
-# then deepseek-v3-3b with and without them after the coalesced transposed weight
-# quantisation (-12 ms predicted: 15.5 ms of a 1.3 ms kernel a layer a step), and the bf16
-# step's profile (its grouped-GEMM time beside the fp8 profile's 103.8 ms)
+# what the seventeenth session owes (one GPU, one call, ~560 s): the FP8 experts' GPU tests
+# (and the row kernel's, bitwise against torch), then deepseek-v3-3b without and with them
+# after the coalesced transposed weight quantisation (-20 ms predicted: 26 ms of transposed
+# quantisation a step), with the one-pass row kernel swapped in (-45 ms more), and the
+# bf16 step's profile (its grouped-GEMM time beside the fp8 profile's 103.8 ms)
 SUITES["s18a"] = [
-    SUITES["s17c"][0],
+    ("fp8 expert gpu tests", 120, "python3 -m pytest -q -p no:cacheprovider "
+                                  "packages/moe/tests/test_fp8_experts.py "
+                                  "packages/moe/tests/test_fp8_rows.py -k 'cuda or row_kernel'"),
     SUITES["s17c"][1],
     SUITES["s17c"][2],
+    ("deepseek-v3-3b mb 4 bf16 moments fp8 experts row kernel", 150,
+     _DSV3_5.format("python3 bench/fp8_expert_parts.py --part row-kernel")
+     + " --set model.moe_expert_fp8=true"),
     ("profile deepseek-v3-3b bf16 moments", 150,
      _DSV3_5.format(_STEP).replace("--steps 5 --warmup 2", "--steps 2 --warmup 2 --profile 1")),
 ]  # fmt: skip

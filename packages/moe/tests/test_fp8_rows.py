@@ -9,6 +9,9 @@ to fp32's rounding of a sum of K terms (``K * 2^-24`` of the sum of their magnit
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from itertools import pairwise
 
 import pytest
@@ -150,3 +153,69 @@ def _quantize_sharded(dim: int) -> None:
 @pytest.mark.parametrize("dim", [1, 0])
 def test_sharded_rows_quantise_as_one_process(dist_pool: DistPool, dim: int) -> None:
     dist_pool.run(_quantize_sharded, 2, args=(dim,))
+
+
+# the one-pass kernel (quantize_rows_2d) ------------------------------------------------
+
+#: (rows, columns, dtype): one program's row narrower and wider than a warp's, the expert
+#: shapes' widths, a single row
+KERNEL_CASES = [(5, 40, "float32"), (33, 704, "bfloat16"), (9, 2048, "bfloat16"),
+                (1, 1408, "float16")]  # fmt: skip
+
+
+def check_kernel(rows: int, cols: int, dtype: str, device: str, exact: bool) -> None:
+    """The kernel against the torch path: the same scales, and on the GPU the same bytes
+    (``exact``). Triton's interpreter (the CPU) casts to e4m3 otherwise than the GPU and
+    torch: it flushes values below 2^-6 to zero and has rounded 0.121 to 0.0625 where torch
+    gives 0.125 (2026-12-07), so there the values are only checked to keep their sign and
+    to lie within one binade (a factor of 2) of torch's, or below 2^-6 both."""
+    from mega_moe.fp8_rows import _kernel_applies, quantize_rows_2d
+
+    gen = torch.Generator().manual_seed(rows * cols)
+    t = (torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 3, cols)).to(
+        getattr(torch, dtype)
+    ).to(device)  # fmt: skip
+    assert _kernel_applies(t)
+    got, want = quantize_rows_2d(t), quantize_rows(t)
+    assert torch.equal(got.inv_scale, want.inv_scale)
+    a = got.data.view(torch.uint8).int()
+    b = want.data.view(torch.uint8).int()
+    if exact:
+        assert torch.equal(a, b)
+        return
+    x, y = got.data.float(), want.data.float()
+    normal = (x.abs() >= 2.0**-6) & (y.abs() >= 2.0**-6)
+    assert torch.equal((a >> 7)[normal], (b >> 7)[normal])  # the same sign
+    ratio = (x / y)[normal]
+    assert bool(((ratio >= 0.5) & (ratio <= 2.0)).all())
+    assert bool(((x.abs() < 2.0**-5) | (y.abs() >= 2.0**-6)).all())
+
+
+def test_row_kernel() -> None:
+    """The kernel in a child process: interpreted on CPU, compiled on CUDA."""
+    pytest.importorskip("triton")
+    env = dict(os.environ)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        env["TRITON_INTERPRET"] = "1"
+    code = (
+        "import runpy\n"
+        f"mod = runpy.run_path({__file__!r})\n"
+        "for case in mod['KERNEL_CASES']:\n"
+        f"    mod['check_kernel'](*case, {'cuda' if cuda else 'cpu'!r}, {cuda})\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_row_kernel_falls_back_where_it_does_not_apply() -> None:
+    from mega_moe.fp8_rows import quantize_rows_2d
+
+    t = torch.randn(4, 24)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # plain CPU: the torch path, bit for bit
+        got, want = quantize_rows_2d(t), quantize_rows(t)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    wide = torch.randn(2, 4100)  # past one program's row: the torch path everywhere
+    assert torch.equal(quantize_rows_2d(wide).inv_scale, quantize_rows(wide).inv_scale)

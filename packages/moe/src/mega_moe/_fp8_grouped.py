@@ -60,7 +60,7 @@ def fp8_grouped_mm(a: Fp8Rows, b: Fp8Rows, ends: Tensor, out_dtype: torch.dtype)
 def _gemm(x: Tensor, b: Fp8Rows, layout: PaddedRows, group: Group) -> Tensor:
     """``x [M, K]`` quantised per row (its K sharded over ``group``) times the experts'
     ``b``, through the padded layout, in ``x``'s dtype."""
-    padded = layout.scatter(quantize_rows(x, group))
+    padded = layout.scatter(quantize_rows(x, group))  # bench/fp8_expert_parts.py swaps it
     return layout.gather(fp8_grouped_mm(padded, b, layout.ends, x.dtype))
 
 

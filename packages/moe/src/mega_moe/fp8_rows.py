@@ -20,7 +20,10 @@ under ``torch.compile`` nothing is read on the host.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import itertools
+import os
 from typing import NamedTuple
 
 import torch
@@ -38,6 +41,7 @@ __all__ = [
     "padded_rows",
     "quantize_columns_transposed",
     "quantize_rows",
+    "quantize_rows_2d",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -46,6 +50,7 @@ _FMAX = torch.finfo(E4M3).max
 _EPS = 1e-12
 #: rows per expert block that ``torch._scaled_grouped_mm`` takes (16 bytes of fp8)
 FP8_ROW_ALIGN = 16
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Fp8Rows(NamedTuple):
@@ -75,6 +80,57 @@ def quantize_rows(t: Tensor, group: Group = None) -> Fp8Rows:
     """``t [..., R, C]`` in e4m3, one scale per row over its last dimension; ``group``: the
     last dimension is this rank's shard of a row split over the group."""
     return Fp8Rows(*_quantize(t, -1, group))
+
+
+def _kernel_applies(t: Tensor) -> bool:
+    if t.dim() != 2 or t.numel() == 0 or t.dtype not in _KERNEL_DTYPES:
+        return False
+    if t.shape[1] > 4096:  # _rowquant_triton.MAX_COLS: one row in one program's registers
+        return False
+    if t.device.type == "cpu":  # the interpreter runs CPU tensors, for the tests only
+        return os.environ.get("TRITON_INTERPRET") == "1" and _has_triton()
+    return t.device.type == "cuda" and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@torch.library.custom_op("mega_moe::quantize_rows", mutates_args=())
+def _quantize_rows_op(t: Tensor) -> tuple[Tensor, Tensor]:
+    t = t.contiguous()
+    if not _kernel_applies(t):
+        return _quantize(t, -1, None)
+    from mega_moe._rowquant_triton import quantize_rows_into
+
+    data = torch.empty(t.shape, dtype=E4M3, device=t.device)
+    inv_scale = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
+    quantize_rows_into(data, inv_scale, t, _FMAX, _EPS)
+    return data, inv_scale
+
+
+@_quantize_rows_op.register_fake
+def _(t: Tensor) -> tuple[Tensor, Tensor]:
+    return t.new_empty(t.shape, dtype=E4M3), t.new_empty(t.shape[0], dtype=torch.float32)
+
+
+def quantize_rows_2d(t: Tensor, group: Group = None) -> Fp8Rows:
+    """:func:`quantize_rows` of a 2-D ``t``, by one opaque one-pass kernel where it runs
+    (CUDA with Triton, rows up to 4,096 wide, no group to reduce over).
+
+    Under ``torch.compile`` the row amax fused into its producer became a two-pass loop
+    over rows wider than 1,024 (Inductor's persistent-reduction limit), recomputing the
+    producer in each pass: 0.27-0.40 ms a call on an H200 for ``deepseek-v3-3b``'s expert
+    rows (2026-12-07). As an operator of its own the producer writes its bf16 output (which
+    the weight gradient reads anyway) and the kernel reads each row once. The values are
+    the torch path's (the same operations, IEEE-rounded). Not yet the experts' default: it
+    has not run on a GPU; ``bench/fp8_expert_parts.py --part row-kernel`` swaps it in.
+    """
+    if group_size(group) > 1 or not _kernel_applies(t):
+        return quantize_rows(t, group)
+    data, inv_scale = _quantize_rows_op(t.detach())
+    return Fp8Rows(data, inv_scale)
 
 
 def quantize_columns_transposed(t: Tensor, group: Group = None) -> Fp8Rows:
