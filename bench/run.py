@@ -490,11 +490,9 @@ _LOSS = (
 )
 
 
-def _loss_run(name: str, flags: str) -> str:
+def _loss_run(name: str, flags: str, base: str = _LOSS) -> str:
     """The run, then its end-of-run checkpoint removed (~14 GB each at 1b-bench)."""
-    return (
-        f"{_LOSS} {flags} --run.name {name}; rc=$?; rm -rf /tmp/runs/{name}/checkpoints; exit $rc"
-    )
+    return f"{base} {flags} --run.name {name}; rc=$?; rm -rf /tmp/runs/{name}/checkpoints; exit $rc"
 
 
 SUITES["fp8loss"] = [
@@ -861,7 +859,7 @@ _MOE_LOSS = (
 
 
 def _moe_loss_run(name: str, flags: str) -> str:
-    return f"{_MOE_LOSS} {flags} --run.name {name}; rc=$?; rm -rf /tmp/runs/{name}/checkpoints; exit $rc"
+    return _loss_run(name, flags, _MOE_LOSS)
 
 
 # what the seventeenth session owes (one GPU, one call, ~560 s): the FP8 experts' GPU tests

@@ -10,8 +10,6 @@ to fp32's rounding of a sum of K terms (``K * 2^-24`` of the sum of their magnit
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from itertools import pairwise
 
 import pytest
@@ -27,7 +25,7 @@ from mega_moe.fp8_rows import (
     quantize_columns_transposed,
     quantize_rows,
 )
-from mega_parallel_grid.testing import DistPool
+from mega_parallel_grid.testing import DistPool, run_kernel_child
 
 _FMAX = 448.0
 
@@ -194,10 +192,7 @@ def check_kernel(rows: int, cols: int, dtype: str, device: str, exact: bool) -> 
 def test_row_kernel() -> None:
     """The kernel in a child process: interpreted on CPU, compiled on CUDA."""
     pytest.importorskip("triton")
-    env = dict(os.environ)
     cuda = torch.cuda.is_available()
-    if not cuda:
-        env["TRITON_INTERPRET"] = "1"
     code = (
         "import runpy\n"
         f"mod = runpy.run_path({__file__!r})\n"
@@ -205,9 +200,7 @@ def test_row_kernel() -> None:
         f"    mod['check_kernel'](*case, {'cuda' if cuda else 'cpu'!r}, {cuda})\n"
         "print('ok')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)  # fmt: skip
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert run_kernel_child(code).strip().endswith("ok")
 
 
 def test_row_kernel_falls_back_where_it_does_not_apply() -> None:

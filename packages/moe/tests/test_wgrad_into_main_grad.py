@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,7 +28,7 @@ from torch import Tensor
 from mega_moe import GroupedMLP
 from mega_moe.wgrad_accum import MAIN_GRAD_ALPHA_ATTR, grouped_wgrad_accumulate, main_grad_target
 from mega_parallel_grid import ParallelConfig, init_process_groups
-from mega_parallel_grid.testing import DistPool, assert_close_to_reference
+from mega_parallel_grid.testing import DistPool, assert_close_to_reference, run_kernel_child
 from mega_tp_layers import defer_weight_grads
 from mega_zero_optim import DistributedDataParallel
 
@@ -102,10 +100,7 @@ def test_aten_path(case: tuple[list[int], int, int, torch.dtype, float], grouped
 def test_triton_kernel() -> None:
     """The kernel in a child process: interpreted on CPU, compiled on CUDA."""
     pytest.importorskip("triton")
-    env = dict(os.environ)
     cuda = torch.cuda.is_available()
-    if not cuda:
-        env["TRITON_INTERPRET"] = "1"
     code = (
         "import json, torch, runpy\n"
         f"mod = runpy.run_path({__file__!r})\n"
@@ -122,12 +117,8 @@ def test_triton_kernel() -> None:
         "        out[i] = str(e)\n"
         "print(json.dumps(out))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-        check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = run_kernel_child(code)
+    results = json.loads(stdout.strip().splitlines()[-1])
     assert results == {str(i): "ok" for i in range(len(KERNEL_CASES))}, results
 
 

@@ -9,9 +9,6 @@ operand layout when it is swapped in for ``fp8_gemm.row_major`` / ``col_major``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -19,6 +16,7 @@ import torch
 from torch import Tensor
 
 import mega_tp_layers.fp8_gemm as fp8_gemm
+from mega_parallel_grid.testing import run_kernel_child
 from mega_tp_layers import Fp8Recipe
 from mega_tp_layers.fp8 import fp8_linear_wgrad
 from mega_tp_layers.fp8_transpose import col_major_by_kernel, row_major_by_kernel, transposed_copy
@@ -61,10 +59,7 @@ def check_kernel(device: str) -> list[str]:
 def test_triton_kernel() -> None:
     """The kernel in a child process: interpreted on CPU, compiled on CUDA."""
     pytest.importorskip("triton")
-    env = dict(os.environ)
     cuda = torch.cuda.is_available()
-    if not cuda:
-        env["TRITON_INTERPRET"] = "1"
     code = (
         "import json, runpy\n"
         "from mega_tp_layers.fp8_transpose import _kernel_applies\n"
@@ -74,12 +69,8 @@ def test_triton_kernel() -> None:
         f"mod = runpy.run_path({__file__!r})\n"
         "print(json.dumps(mod['check_kernel'](dev)))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-        check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    stdout = run_kernel_child(code)
+    assert json.loads(stdout.strip().splitlines()[-1]) == []
 
 
 def test_compiled_keeps_the_copy_as_one_operator() -> None:

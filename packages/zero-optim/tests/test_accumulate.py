@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from mega_parallel_grid.testing import run_kernel_child
 from mega_zero_optim import accumulate_grad
 
 U32 = 2.0**-24
@@ -63,10 +62,7 @@ def test_aten_path(case: tuple[tuple[int, ...], torch.dtype, float, bool]) -> No
 def test_triton_kernel() -> None:
     """The kernel in a child process: interpreted on CPU, compiled on CUDA."""
     pytest.importorskip("triton")
-    env = dict(os.environ)
     cuda = torch.cuda.is_available()
-    if not cuda:
-        env["TRITON_INTERPRET"] = "1"
     code = (
         "import json, torch, runpy\n"
         f"mod = runpy.run_path({__file__!r})\n"
@@ -84,12 +80,8 @@ def test_triton_kernel() -> None:
         "        out[i] = str(e)\n"
         "print(json.dumps(out))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-        check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = run_kernel_child(code)
+    results = json.loads(stdout.strip().splitlines()[-1])
     assert results == {str(i): "ok" for i in range(len(CASES))}, results
 
 

@@ -18,6 +18,7 @@ of the reductions that produced it, so it holds on any CPU's kernels (see ``tole
 """
 
 from mega_parallel_grid.testing.device import rank_device
+from mega_parallel_grid.testing.kernel_child import run_kernel_child
 from mega_parallel_grid.testing.pool import DistPool, RankFailedError, RankTimeoutError
 from mega_parallel_grid.testing.sibling import sibling_module
 from mega_parallel_grid.testing.solo import solo_groups
@@ -35,6 +36,7 @@ __all__ = [
     "assert_close_to_reference",
     "rank_device",
     "rounding_bound",
+    "run_kernel_child",
     "sibling_module",
     "solo_groups",
 ]
