@@ -378,3 +378,10 @@ def test_aligned_fp8_experts_equal_the_padding_ones() -> None:
     for name, grad in grads.items():
         got = getattr(solo, name).grad
         assert_close_to_reference(got, grad, reduction_length=N, name=name)
+
+
+def test_aligned_rows_refuse_unaligned_host_counts() -> None:
+    mlp = GroupedMLP(H, FFN, E, seed=1, fp8=True)
+    with pytest.raises(ValueError, match=r"aligned expert rows need every count to be a "
+                       r"multiple of 16, got \[7, 0, 20, 5\]; pass aligned=False"):  # fmt: skip
+        mlp(torch.randn(M, H), COUNTS, aligned=True)

@@ -130,7 +130,9 @@ def train(config: TrainerConfig, *, console: Console | None = None) -> RunSummar
     )
     config, auto_line = resolve_micro_batch(config, model, world, memory)
     plan = check_config(config, model, world)  # before any process group exists
-    check_expert_fp8_device(config, model, device.type)
+    cuda = device.type == "cuda"  # this rank's GPU, not whichever is current
+    check_expert_fp8_device(config, model, device.type,
+                            torch.cuda.get_device_capability(device) if cuda else None)  # fmt: skip
     check_wandb(config)
     timeout = collective_timeout(config.run.timeout_minutes)
     started = start_distributed(device, timeout)

@@ -29,7 +29,7 @@ from mega_moe.fp8_rows import Fp8Rows, PaddedRows, aligned_rows, padded_rows, qu
 from mega_moe.wgrad_accum import wgrad_into_main_grad
 from mega_tp_layers import WeightGradStore
 
-__all__ = ["fp8_grouped_linear", "fp8_grouped_mm", "fp8_grouped_mm_supported"]
+__all__ = ["fp8_grouped_linear", "fp8_grouped_mm", "fp8_grouped_mm_supported", "fp8_layout"]
 
 
 def fp8_grouped_mm_supported(device: torch.device) -> bool:
@@ -57,6 +57,14 @@ def fp8_grouped_mm(a: Fp8Rows, b: Fp8Rows, ends: Tensor, out_dtype: torch.dtype)
     return torch.cat(blocks).to(out_dtype)
 
 
+def fp8_layout(
+    counts: list[int] | Tensor, m: int, device: torch.device, aligned: bool
+) -> PaddedRows:
+    """Where ``m`` expert-major rows go for the fp8 GEMMs: as they are when ``aligned``
+    (every count a multiple of 16, the dispatcher's layout), else padded block by block."""
+    return (aligned_rows if aligned else padded_rows)(counts, m, device)
+
+
 def _gemm(x: Tensor, b: Fp8Rows, layout: PaddedRows, group: Group) -> Tensor:
     """``x [M, K]`` quantised per row (its K sharded over ``group``) times the experts'
     ``b``, through the padded layout, in ``x``'s dtype."""
@@ -77,17 +85,17 @@ class _Fp8GroupedLinear(Function):
         wt: Tensor,
         wt_scale: Tensor,
         counts: list[int] | Tensor,
-        aligned: bool,
+        dest: Tensor | None,
+        ends: Tensor,
+        capacity: int,
         use_grouped_mm: bool,
         groups: tuple[Group, Group],
         wgrad: tuple[Tensor | None, WeightGradStore | None, tuple[Tensor]],
     ) -> Tensor:
-        rows = aligned_rows if aligned else padded_rows
-        layout = rows(counts, x.shape[0], x.device)
-        dest = [] if layout.dest is None else [layout.dest]
-        ctx.save_for_backward(x, weight, layout.ends, wt, wt_scale, *dest,
+        layout = PaddedRows(dest, ends, capacity)  # the tensors apart: Dynamo traces them
+        ctx.save_for_backward(x, weight, ends, wt, wt_scale, *([] if dest is None else [dest]),
                               *([counts] if isinstance(counts, Tensor) else []))  # fmt: skip
-        ctx.aligned = aligned
+        ctx.aligned = dest is None
         ctx.host_counts = None if isinstance(counts, Tensor) else counts
         ctx.capacity, ctx.fast, ctx.dgrad_group, ctx.wgrad = (
             layout.capacity,
@@ -125,7 +133,7 @@ class _Fp8GroupedLinear(Function):
         if ctx.needs_input_grad[0]:
             layout = PaddedRows(dest, ends_p, ctx.capacity)
             grad_x = _gemm(grad, Fp8Rows(wt, wt_scale), layout, ctx.dgrad_group)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, *([None] * 11)
 
 
 def fp8_grouped_linear(
@@ -136,7 +144,7 @@ def fp8_grouped_linear(
     *,
     param: Tensor,
     use_grouped_mm: bool,
-    aligned: bool = False,
+    layout: PaddedRows | None = None,
     k_group: Group = None,
     n_group: Group = None,
     into_main: Tensor | None = None,
@@ -146,8 +154,8 @@ def fp8_grouped_linear(
     view of the parameter), forward and input gradient in fp8 with ``quantized``'s
     (forward, input-gradient) operands (:meth:`Fp8ExpertWeights.quantized`).
 
-    ``aligned``: every block of ``counts`` is a multiple of 16 rows already (the dispatcher's
-    aligned layout), so nothing is copied to pad them.
+    ``layout``: the rows' 16-row layout (:func:`fp8_layout`; one for both linears of an
+    expert FFN), computed here when not given.
     ``k_group`` / ``n_group``: the group K / N is sharded over (etp), so row scales span it.
     ``use_grouped_mm``: the weight gradient runs ``torch._grouped_mm`` (else a loop).
     ``param``: the parameter ``weight`` is a view of. ``into_main``: the weight gradient goes
@@ -155,10 +163,12 @@ def fp8_grouped_linear(
     store for the W pass, which hands it to ``param`` (``weight`` is then detached).
     """
     (w, w_scale), (wt, wt_scale) = quantized
+    if layout is None:
+        layout = fp8_layout(counts, x.shape[0], x.device, aligned=False)
     if store is not None:  # the parameter in a tuple: an edge would run its accumulator in B
         weight = weight.detach()
     out: Tensor = _Fp8GroupedLinear.apply(
-        x, weight, w, w_scale, wt, wt_scale, counts, aligned, use_grouped_mm, (k_group, n_group),
+        x, weight, w, w_scale, wt, wt_scale, counts, *layout, use_grouped_mm, (k_group, n_group),
         (into_main, store, (param,)),
     )  # fmt: skip
     return out

@@ -52,21 +52,22 @@ class _RepeatRows(torch.autograd.Function):
     ``inverse[token * k + choice]`` is the output row of that copy. The backward gathers
     the gradient back to token-major order by it and sums each token's k rows in fp32:
     no atomics (``index_select``'s backward would be an atomic ``index_add``), deterministic.
+    ``padded``: an aligned layout, whose gap rows take the sentinel token ``N`` (zero).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, token_idx: Tensor, inverse: Tensor, k: int) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, token_idx: Tensor, inverse: Tensor, k: int, padded: bool
+    ) -> Tensor:
         ctx.save_for_backward(inverse)
         ctx.k = k
-        if token_idx.numel() > inverse.numel():  # an aligned layout: gaps at the sentinel
-            x = _with_zero_row(x)
-        return x.index_select(0, token_idx)
+        return (_with_zero_row(x) if padded else x).index_select(0, token_idx)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         (inverse,) = ctx.saved_tensors
         per = grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1])  # [N, k, h]
-        return per.sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None, None
+        return per.sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None, None, None
 
 
 class Permutation:
@@ -94,7 +95,9 @@ class Permutation:
     def gather(self, x: Tensor) -> Tensor:
         """``[N, ...] -> [M, ...]``: the rows in expert-major order (zeros in empty slots)."""
         if self.per_token is not None and self.order is not None and x.dim() == 2:
-            out: Tensor = _RepeatRows.apply(x, self.token_idx, self.order[1], self.per_token)
+            out: Tensor = _RepeatRows.apply(
+                x, self.token_idx, self.order[1], self.per_token, self.padded
+            )
             return out
         if self.padded:
             x = _with_zero_row(x)  # [N+1, ...], row N is zero

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from mega_moe._comm import Group, check_group, group_rank, group_size
-from mega_moe._fp8_grouped import fp8_grouped_linear, fp8_grouped_mm_supported
+from mega_moe._fp8_grouped import fp8_grouped_linear, fp8_grouped_mm_supported, fp8_layout
 from mega_moe._gemm import (
     expert_activation,
     grouped_linear,
@@ -366,14 +366,15 @@ class GroupedMLP(ShardedModule):
             self._check_fp8(x)
             etp = self._etp_group
             mains = (main1, main2) if torch.is_grad_enabled() else (None, None)
+            rows = fp8_layout(counts, x.shape[0], x.device, aligned)  # both linears' rows
             h = fp8_grouped_linear(
                 x, w1, counts, self.fp8_weight1.quantized(w1), param=self.weight1,
-                use_grouped_mm=fast, aligned=aligned, n_group=etp, into_main=mains[0], store=store,
+                use_grouped_mm=fast, layout=rows, n_group=etp, into_main=mains[0], store=store,
             )  # fmt: skip
             a = expert_activation(h, self.layout.gated)
             return fp8_grouped_linear(
                 a, self.weight2, counts, self.fp8_weight2.quantized(self.weight2),
-                param=self.weight2, use_grouped_mm=fast, aligned=aligned, k_group=etp,
+                param=self.weight2, use_grouped_mm=fast, layout=rows, k_group=etp,
                 into_main=mains[1], store=store,
             )  # fmt: skip
         if store is not None:  # the weight gradients wait for the W pass

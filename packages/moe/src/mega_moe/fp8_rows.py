@@ -20,10 +20,6 @@ under ``torch.compile`` nothing is read on the host.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import itertools
-import os
 from typing import NamedTuple
 
 import torch
@@ -31,6 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mega_moe._comm import Group, group_size
+from mega_moe._gemm import _offsets
+from mega_moe.wgrad_accum import _triton_enabled
 
 __all__ = [
     "E4M3",
@@ -87,14 +85,7 @@ def _kernel_applies(t: Tensor) -> bool:
         return False
     if t.shape[1] > 4096:  # _rowquant_triton.MAX_COLS: one row in one program's registers
         return False
-    if t.device.type == "cpu":  # the interpreter runs CPU tensors, for the tests only
-        return os.environ.get("TRITON_INTERPRET") == "1" and _has_triton()
-    return t.device.type == "cuda" and _has_triton()
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _triton_enabled(t.device)  # CUDA, or the interpreter on CPU for the tests
 
 
 @torch.library.custom_op("mega_moe::quantize_rows", mutates_args=())
@@ -171,12 +162,14 @@ class PaddedRows(NamedTuple):
 
 
 def aligned_rows(counts: list[int] | Tensor, m: int, device: torch.device) -> PaddedRows:
-    """The layout of ``m`` rows whose blocks (``counts``) already are multiples of 16."""
-    if isinstance(counts, Tensor):
-        ends = torch.cumsum(counts.to(device), 0).to(torch.int32)
-    else:
-        ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
-    return PaddedRows(None, ends, m)
+    """The layout of ``m`` rows whose blocks (``counts``) already are multiples of 16; host
+    counts that are not are refused in one sentence (the GPU's grouped GEMM would assert)."""
+    if not isinstance(counts, Tensor) and any(c % FP8_ROW_ALIGN for c in counts):
+        raise ValueError(
+            f"aligned expert rows need every count to be a multiple of {FP8_ROW_ALIGN}, got "
+            f"{counts}; pass aligned=False to have the fp8 GEMMs pad them"
+        )
+    return PaddedRows(None, _offsets(counts, device), m)
 
 
 def padded_rows(counts: list[int] | Tensor, m: int, device: torch.device) -> PaddedRows:
@@ -189,13 +182,13 @@ def padded_rows(counts: list[int] | Tensor, m: int, device: torch.device) -> Pad
     n = len(counts)
     if isinstance(counts, Tensor):
         capacity = -(-(m + n * (align - 1)) // align) * align
-        sizes = counts.to(device=device, dtype=torch.int64)
     else:
         capacity = sum(-(-c // align) * align for c in counts) if n else 0
-        sizes = torch.tensor(counts, dtype=torch.int64, device=device)
+    ends_in = _offsets(counts, device).long()  # host counts: copied up without a sync
+    sizes = ends_in - torch.cat([ends_in.new_zeros(1), ends_in[:-1]])
     padded = torch.div(sizes + (align - 1), align, rounding_mode="floor") * align
     ends = torch.cumsum(padded, 0)
-    shift = (ends - padded) - (torch.cumsum(sizes, 0) - sizes)  # padded start - start
+    shift = (ends - padded) - (ends_in - sizes)  # padded start - start
     expert = torch.repeat_interleave(torch.arange(n, device=device), sizes, output_size=m)
     dest = torch.arange(m, device=device) + shift[expert]
     ends = torch.cat([ends[:-1], ends.new_full((1,), capacity)])  # the last takes the slack
