@@ -898,6 +898,22 @@ SUITES["s17d"] = [
                     "/tmp/runs/m-fp8e"),
 ]  # fmt: skip
 
+# the eighteenth session's closing table of issue 22, one H200, one call (~560 s): the
+# ceiling; target 1 (mega compiled bf16 beside the plain-PyTorch reference with the same
+# precision scheme); target 2 (the fastest FP8: delayed scaling recording one step in 8,
+# margin 2, as its loss was run); target 4 (the hybrid beside GPT); target 3 at the
+# DeepSeek-V3-shaped size with bf16 moments. Eager and Liger stand as measured in s16.
+SUITES["s18b"] = [
+    ("ceiling", 50, _CEILING),
+    ("mega compile", 80, _BF16_10),
+    ("torch bf16 compile", 80, f"{_TORCH} --mb 8 --compile --precision bf16 --steps 10 --warmup 3"),
+    ("mega compile fp8 delayed i8 m2", 90,
+     f"{_INTERVAL8} --set train.fp8_amax_margin=2"),
+    ("hybrid vs gpt", 160, "python3 bench/hybrid_vs_gpt.py --compile"),
+    ("deepseek-v3-3b mb 4 bf16 moments", 130, _DSV3_MB4.format(_STEP)
+     + " --set train.optimizer_moment_dtype=bf16"),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
