@@ -898,21 +898,40 @@ SUITES["s17d"] = [
                     "/tmp/runs/m-fp8e"),
 ]  # fmt: skip
 
-# the eighteenth session's closing table of issue 22, one H200, one call (~560 s): the
-# ceiling; target 1 (mega compiled bf16 beside the plain-PyTorch reference with the same
-# precision scheme); target 2 (the fastest FP8: delayed scaling recording one step in 8,
-# margin 2, as its loss was run); target 4 (the hybrid beside GPT); target 3 at the
+# the eighteenth session, one H200, in the order of its worth (one call, ~560 s): the GPU
+# tests of the code not yet run there (the dense linears' gradient-accumulation fusion,
+# mega_tp_layers.main_grad_fusion; the fp8 experts after review; the one-pass row kernel,
+# bitwise against torch); then issue 22's closing table: the ceiling; target 1 (mega
+# compiled bf16, the fusion on by default, beside the plain-PyTorch reference with the same
+# precision scheme) and the fusion's A/B (predicted -1 ... -3 ms of ~270: the s16 profile's
+# 2.9 ms _accumulate_kernel); target 2 (the fastest FP8: delayed scaling recording one step
+# in 8, margin 2, as its loss was run); target 4 (the hybrid beside GPT); target 3 at the
 # DeepSeek-V3-shaped size with bf16 moments. Eager and Liger stand as measured in s16.
 SUITES["s18b"] = [
+    ("gpu tests", 120, "python3 -m pytest -q -p no:cacheprovider "
+                       "packages/tp-layers/tests/test_main_grad_fusion.py "
+                       "packages/moe/tests/test_fp8_experts.py packages/moe/tests/test_fp8_rows.py "
+                       "-k 'cuda or row_kernel'"),
     ("ceiling", 50, _CEILING),
     ("mega compile", 80, _BF16_10),
     ("torch bf16 compile", 80, f"{_TORCH} --mb 8 --compile --precision bf16 --steps 10 --warmup 3"),
-    ("mega compile fp8 delayed i8 m2", 90,
-     f"{_INTERVAL8} --set train.fp8_amax_margin=2"),
+    ("mega compile no wgrad fusion", 80, f"{_BF16_10} --set parallel.wgrad_into_main_grad=false"),
+    ("mega compile fp8 delayed i8 m2", 90, f"{_INTERVAL8} --set train.fp8_amax_margin=2"),
     ("hybrid vs gpt", 160, "python3 bench/hybrid_vs_gpt.py --compile"),
     ("deepseek-v3-3b mb 4 bf16 moments", 130, _DSV3_MB4.format(_STEP)
      + " --set train.optimizer_moment_dtype=bf16"),
 ]  # fmt: skip
+
+# s18c: what s18a measured of the fp8 experts, after s18b: deepseek-v3-3b with them after the
+# coalesced transposed weight quantisation (-20 ms predicted against s17c's 904.0 ms), with
+# the one-pass row kernel swapped in (-45 ms more; adopt as the default if faster), and the
+# bf16 step's profile (its grouped-GEMM time beside the fp8 profile's 103.8 ms)
+SUITES["s18c"] = [
+    SUITES["s18a"][1],
+    SUITES["s18a"][2],
+    SUITES["s18a"][3],
+    SUITES["s18a"][4],
+]
 
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",

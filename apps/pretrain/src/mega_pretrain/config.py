@@ -102,10 +102,12 @@ class ParallelSection:
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's reduction during backward."""
     wgrad_into_main_grad: bool = True
-    """Under ZeRO-1 (``sharding: optimizer``) with fp32 gradients, the grouped experts add
-    their weight gradients straight into the fp32 gradient buffer inside their backward
-    (Megatron's gradient accumulation fusion): no bf16 gradient written and read again per
-    micro-batch. False: every gradient goes through ``.grad`` (for A/B measurement)."""
+    """Under ZeRO-1 (``sharding: optimizer``) with fp32 gradients, the grouped experts and
+    the transformer blocks' bf16 linears (attention, MLA, MLP, Mamba projections; not fp8
+    ones) add their weight gradients straight into the fp32 gradient buffer inside their
+    backward (Megatron's gradient accumulation fusion): no bf16 gradient written and read
+    again per micro-batch. False: every gradient goes through ``.grad`` (for A/B
+    measurement)."""
     overlap_param_gather: bool = False
     """All-gather updated parameters during the next forward (distributed optimizer)."""
     bucket_size: int = 40_000_000

@@ -134,7 +134,8 @@ class AttentionBase(nn.Module, abc.ABC):
         self.fused = config.fused_elementwise  # RoPE as one compiled region (fused_ops)
         linear: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
                   "device": device, "dtype": dtype, "fp8": fp8,
-                  "tp_comm_overlap": tp_comm_overlap}  # fmt: skip
+                  "tp_comm_overlap": tp_comm_overlap,
+                  "wgrad_fusion": True}  # fmt: skip
         self._build(config, linear)
 
     def _check(self, config: GPTConfig) -> None:

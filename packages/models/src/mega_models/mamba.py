@@ -120,7 +120,8 @@ class Mamba2Mixer(KeepsParamAttrs):
         meta = torch.device("meta")
         per_group = 2 * self.group_width + 2 * self.state_dim + self.heads_per_group
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
-                                  "device": meta, "dtype": dtype, "bias": c.add_bias}  # fmt: skip
+                                  "device": meta, "dtype": dtype, "bias": c.add_bias,
+                                  "wgrad_fusion": True}  # fmt: skip
         self.in_proj = ColumnParallelLinear(
             c.hidden_size, c.mamba_num_groups * per_group, init_method=Normal(c.init_std),
             **common,

@@ -114,7 +114,9 @@ class MultiLatentAttention(AttentionBase):
         self.kv_lora = c.kv_lora_rank
         self.scale = c.softmax_scale
         col: dict[str, Any] = {**linear, "bias": False, "init_method": Normal(c.init_std)}
-        rep: dict[str, Any] = {k: v for k, v in col.items() if k not in ("bias", "tp_comm_overlap")}
+        rep: dict[str, Any] = {
+            k: v for k, v in col.items() if k not in ("bias", "tp_comm_overlap", "wgrad_fusion")
+        }
         norm: dict[str, Any] = {"tp_group": self.tp_group, "partial_grads": self.sequence_parallel,
                                 "device": linear["device"], "dtype": linear["dtype"]}  # fmt: skip
         qk = self.nope + self.rope_dim

@@ -41,7 +41,7 @@ class MLP(nn.Module):
         self.fused = c.fused_elementwise
         common: dict[str, Any] = {"tp_group": tp_group, "sequence_parallel": sequence_parallel,
                   "device": device, "dtype": dtype, "bias": c.add_bias, "fp8": fp8,
-                  "tp_comm_overlap": tp_comm_overlap}  # fmt: skip
+                  "tp_comm_overlap": tp_comm_overlap, "wgrad_fusion": True}  # fmt: skip
         width = 2 * c.ffn_size if self.swiglu else c.ffn_size
         self.fc1 = ColumnParallelLinear(
             c.hidden_size, width, init_method=Normal(c.init_std), **common

@@ -8,15 +8,10 @@ pass costs as much as their weight-gradient GEMMs (``deepseek-3b``: 3.0 of its 3
 parameters, ~770 tokens an expert per 8k-token micro-batch). Megatron fuses the
 accumulation into the GEMM (``gradient_accumulation_fusion``); so does this module.
 
-The protocol between the two packages, by parameter attribute (as ``main_grad`` itself):
-
-- a layer that can accumulate a parameter's weight gradient itself marks the parameter
-  ``mega_wgrad_fusion = True`` (:data:`WGRAD_FUSION_ATTR`; :class:`GroupedMLP` does);
-- a wrapper whose ``main_grad`` for that parameter is a persistent fp32 buffer, zeroed each
-  step, sets ``mega_main_grad_alpha`` (:data:`MAIN_GRAD_ALPHA_ATTR`) to the factor it would
-  scale the gradient by, and then does not add the ``.grad`` the layer hands autograd (an
-  uninitialised tensor, there only so that the accumulator and its hooks run);
-- the layer, seeing the attribute, adds ``alpha * dW`` into ``main_grad`` in its backward.
+The protocol between the packages (a parameter attribute the layer sets, one the wrapper
+answers with, and a key under which backward finds ``main_grad``) is
+``mega_tp_layers.main_grad_fusion``'s, re-exported here; :class:`GroupedMLP` marks its
+two weights.
 
 :func:`grouped_wgrad_accumulate` is the accumulation: a Triton kernel of the project's own
 on CUDA (``mega_moe._wgrad_triton``), ``torch._grouped_mm`` or a loop of GEMMs and one add
@@ -29,12 +24,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import itertools
 import os
-import weakref
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from mega_tp_layers.main_grad_fusion import (
+    MAIN_GRAD_ALPHA_ATTR,
+    WGRAD_FUSION_ATTR,
+    main_grad_target,
+    register_wgrad_target,
+)
 
 __all__ = [
     "MAIN_GRAD_ALPHA_ATTR",
@@ -44,11 +44,6 @@ __all__ = [
     "register_wgrad_target",
     "wgrad_into_main_grad",
 ]
-
-#: set to True by a layer on a parameter whose weight gradient it can accumulate itself
-WGRAD_FUSION_ATTR = "mega_wgrad_fusion"
-#: set by a data-parallel wrapper to the gradient's scale where the layer should accumulate
-MAIN_GRAD_ALPHA_ATTR = "mega_main_grad_alpha"
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -62,42 +57,6 @@ def _accumulate(
         grouped_wgrad_accumulate_kernel(main, dy, x, ends, alpha)
         return
     main.add_(_wgrad(dy, x, ends, use_grouped_mm), alpha=alpha)
-
-
-#: key -> (the module, the weight's attribute name): where the op finds ``main_grad``
-_TARGETS: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
-_NEXT_KEY = itertools.count()
-
-
-def register_wgrad_target(module: nn.Module, name: str) -> Tensor:
-    """A key under which :func:`wgrad_into_main_grad` finds ``getattr(module, name)``'s
-    ``main_grad`` and scale (the module is held weakly).
-
-    The key is a one-element int64 tensor on the host, not an int: a compiled graph takes
-    a tensor as an input, so every layer shares one graph, where an int is a constant each
-    layer's graph is compiled (and guarded) for, and past dynamo's recompile limit (8) the
-    further layers ran uncompiled (``deepseek-3b``'s 11 MoE layers, until 2026-12-07). It
-    is read on the host when the gradient is added: no device synchronisation.
-    """
-    key = next(_NEXT_KEY)
-    _TARGETS[key] = (weakref.ref(module), name)
-    return torch.tensor([key], dtype=torch.int64)
-
-
-def main_grad_target(key: Tensor) -> tuple[Tensor, float]:
-    """``(main_grad, alpha)`` of the weight registered under ``key``; one sentence where the
-    wrapper's offer is gone."""
-    ref, name = _TARGETS[int(key.item())]
-    module = ref()
-    param = None if module is None else getattr(module, name, None)
-    main = getattr(param, "main_grad", None)
-    alpha = getattr(param, MAIN_GRAD_ALPHA_ATTR, None)
-    if not isinstance(main, Tensor) or alpha is None:
-        raise RuntimeError(
-            f"the weight gradient of {name!r} was to go into its main_grad, but its module or "
-            "the data-parallel wrapper's offer is gone; rebuild the wrapper before backward"
-        )
-    return main, float(alpha)
 
 
 @torch.library.custom_op("mega_moe::wgrad_into_main_grad", mutates_args=())

@@ -58,6 +58,12 @@ from mega_tp_layers.init import (
     param_generator,
 )
 from mega_tp_layers.linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linear
+from mega_tp_layers.main_grad_fusion import (
+    MAIN_GRAD_ALPHA_ATTR,
+    WGRAD_FUSION_ATTR,
+    linear_into_main_grad,
+    register_wgrad_target,
+)
 from mega_tp_layers.mappings import (
     copy_to_tp_region,
     gather_from_sequence_region,
@@ -96,9 +102,11 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that is not ins
 __all__ = [
     "BACKENDS",
     "INIT_ATTR",
+    "MAIN_GRAD_ALPHA_ATTR",
     "SEQUENCE_PARALLEL_ATTR",
     "SHARD_ATTR",
     "TP_RNG",
+    "WGRAD_FUSION_ATTR",
     "Backend",
     "ColumnParallelLinear",
     "Fp8AmaxHistory",
@@ -152,6 +160,7 @@ __all__ = [
     "init_parameter",
     "init_parameters",
     "invalidate_fp8_weight_caches",
+    "linear_into_main_grad",
     "mark_replicated",
     "mark_sequence_parallel",
     "padded_vocab_size",
@@ -160,6 +169,7 @@ __all__ = [
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
     "refresh_fp8_amax_histories",
+    "register_wgrad_target",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
     "set_fp8_amax_recording",

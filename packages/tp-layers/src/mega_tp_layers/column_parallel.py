@@ -41,6 +41,7 @@ from mega_tp_layers.fp8 import (
 )
 from mega_tp_layers.fp8_delayed import Fp8Delayed, recorded_amax
 from mega_tp_layers.fp8_scaling import check_fp8_layout
+from mega_tp_layers.main_grad_fusion import linear_into_main_grad, linear_wgrad_into_main_grad
 from mega_tp_layers.mappings import gather_from_tp_region
 from mega_tp_layers.overlap import all_gather_linear, check_tp_comm_overlap
 from mega_tp_layers.wgrad import (
@@ -71,8 +72,10 @@ class _ColumnParallelMatmul(Function):
         w_data: Tensor | None,
         w_inv: Tensor | None,
         w_col: Tensor | None,
+        wgrad_key: Tensor | None,
     ) -> Tensor:
         ctx.group = group
+        ctx.wgrad_key = wgrad_key  # the weight gradient into main_grad (main_grad_fusion)
         ctx.sequence_parallel = sequence_parallel
         ctx.fp8 = fp8
         ctx.deferred = deferred  # (store, weight, bias): the W pass runs later from the store
@@ -104,13 +107,15 @@ class _ColumnParallelMatmul(Function):
         if ctx.deferred is not None:
             return (
                 *_column_dgrad_deferring_wgrad(
-                    ctx.deferred, x, (weight, wq), grad, group, sp, fp8, (x_amax, g_amax)
+                    ctx.deferred, x, (weight, wq), grad, group, sp, fp8, (x_amax, g_amax),
+                    ctx.wgrad_key,
                 ),
                 probe_grad,
                 None,
                 None,
                 None,
-            )
+                None,
+            )  # fmt: skip
         total, gather = x, None
         if sp and need_w:  # rebuild the gathered input, overlapped with the dgrad GEMM
             total, gather = all_gather_dim0(x, group, async_op=True)
@@ -137,6 +142,8 @@ class _ColumnParallelMatmul(Function):
                 grad_weight = fp8_linear_wgrad(
                     g8, total_2d, fp8, out_dtype=weight.dtype, x_amax=x_amax
                 )  # the forward's scale (delayed: the history's)
+            elif need_w and ctx.wgrad_key is not None:
+                grad_weight = linear_wgrad_into_main_grad(grad_2d, total_2d, weight, ctx.wgrad_key)
             elif need_w:
                 grad_weight = grad_2d.t().matmul(total_2d)
             if need_b:
@@ -145,7 +152,7 @@ class _ColumnParallelMatmul(Function):
             pending.wait()
         return (
             grad_input, grad_weight, grad_bias, None, None, None, None, None, probe_grad,
-            None, None, None,
+            None, None, None, None,
         )  # fmt: skip
 
 
@@ -183,6 +190,7 @@ def _column_dgrad_deferring_wgrad(
     sp: bool,
     fp8: Fp8Recipe | None,
     amaxes: tuple[Tensor | None, Tensor | None],
+    wgrad_key: Tensor | None = None,
 ) -> tuple[Tensor | None, ...]:
     """The input gradient now; the weight gradient (SP: from a new all-gather) in the W pass.
 
@@ -191,7 +199,8 @@ def _column_dgrad_deferring_wgrad(
     keeping it would hold tp times the input per linear for every micro-batch whose W
     is pending. With ``fp8`` both GEMMs use one quantised gradient, as the fused ones do;
     ``amaxes``: delayed scaling's (input, gradient) amaxes, or None each; ``weights``: the
-    weight and, tensor-wise, the forward's fp8 copy of it.
+    weight and, tensor-wise, the forward's fp8 copy of it; ``wgrad_key``: the weight
+    gradient goes into its ``main_grad`` (``mega_tp_layers.main_grad_fusion``).
     """
     store, w_param, b_param = deferred
     weight, wq = weights
@@ -203,7 +212,8 @@ def _column_dgrad_deferring_wgrad(
     def wgrad() -> tuple[Tensor | None, ...]:
         total = all_gather_dim0(x, group)[0] if sp else x  # [s/tp, b, h] -> [s, b, h]
         if fp8 is None:
-            return flat_wgrad(grad, total, b_param is not None)
+            into_main = None if wgrad_key is None else (w_param, wgrad_key)
+            return flat_wgrad(grad, total, b_param is not None, into_main)
         grad_w = fp8_linear_wgrad(g8, total, fp8, out_dtype=weight.dtype, x_amax=x_amax)
         return grad_w, grad.sum(dim=0) if b_param is not None else None
 
@@ -228,6 +238,7 @@ def column_parallel_linear(
     tp_comm_overlap: bool = False,
     fp8_delayed: Fp8Delayed | None = None,
     fp8_weight: Fp8Tensor | None = None,
+    wgrad_key: Tensor | None = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` with ``weight`` split by output rows over ``tp_group``.
 
@@ -239,6 +250,8 @@ def column_parallel_linear(
     the GEMM chunk by chunk, and the input gradient's reduce-scatter its GEMM.
     ``fp8_delayed``: a delayed-scaling recipe's scales and probe (``fp8_delayed``);
     ``fp8_weight``: ``weight`` quantised already, tensor-wise (a layer's weight cache).
+    ``wgrad_key``: the weight gradient goes into ``weight.main_grad`` under this key
+    (``mega_tp_layers.main_grad_fusion``; bf16 paths only, not with ``fp8`` or the rings).
     """
     check_delayed("column_parallel_linear", fp8, fp8_delayed)
     _check_fp8_weight("column_parallel_linear", fp8, fp8_weight, weight)
@@ -258,23 +271,29 @@ def column_parallel_linear(
                 x, weight, bias, recipe=fp8, store=store, delayed=fp8_delayed,
                 weight_q=fp8_weight,
             )  # fmt: skip
-        return F.linear(x, weight, bias) if store is None else split_linear(x, weight, bias, store)
+        if store is not None:
+            return split_linear(x, weight, bias, store, wgrad_key)
+        if wgrad_key is not None:
+            return linear_into_main_grad(x, weight, bias, wgrad_key)
+        return F.linear(x, weight, bias)
     deferred = None
     if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
         deferred = (store, weight, bias)
         weight, bias = weight.detach(), None if bias is None else bias.detach()
     if fp8 is None:
         out = _ColumnParallelMatmul.apply(
-            x, weight, bias, tp_group, sequence_parallel, None, deferred, None, None, *(None,) * 3
-        )
+            x, weight, bias, tp_group, sequence_parallel, None, deferred, None, None, *(None,) * 3,
+            wgrad_key,
+        )  # fmt: skip
     else:  # the Function runs on [tokens, h]; gathering dim 0 keeps the sequence-major order
         lead = (x.shape[0] * (group_size(tp_group) if sequence_parallel else 1), *x.shape[1:-1])
         flat = x.reshape(-1, x.shape[-1])  # [s(/tp), b, h] -> [s(/tp)*b, h]
         amax, probe = (None, None) if fp8_delayed is None else fp8_delayed
         w8 = (None,) * 3 if fp8_weight is None else tuple(fp8_weight)
         out = _ColumnParallelMatmul.apply(
-            flat, weight, bias, tp_group, sequence_parallel, fp8, deferred, amax, probe, *w8
-        )
+            flat, weight, bias, tp_group, sequence_parallel, fp8, deferred, amax, probe, *w8,
+            None,
+        )  # fmt: skip
         out = out.view(*lead, weight.shape[0])  # [s*b, out/tp] -> [s, b, out/tp]
     if gather_output:
         out = gather_from_tp_region(out, tp_group)  # [s, b, out/tp] -> [s, b, out]

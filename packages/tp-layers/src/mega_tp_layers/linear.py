@@ -52,6 +52,12 @@ from mega_tp_layers.fp8_delayed import (
 from mega_tp_layers.fp8_scaling import check_fp8_layout
 from mega_tp_layers.fp8_weight_cache import cached_fp8_weight, weight_cache_for
 from mega_tp_layers.init import InitMethod, Normal, PaddedRows, Zeros
+from mega_tp_layers.main_grad_fusion import (
+    WGRAD_FUSION_ATTR,
+    fused_wgrad_key,
+    linear_into_main_grad,
+    register_wgrad_target,
+)
 from mega_tp_layers.mappings import (
     gather_from_tp_region,
     reduce_from_tp_region_inplace,
@@ -67,6 +73,7 @@ from mega_tp_layers.shard import ShardSpec
 from mega_tp_layers.te_backend import Backend, check_backend, te_linear
 from mega_tp_layers.vocab import padded_vocab_size
 from mega_tp_layers.wgrad import (
+    WeightGradStore,
     current_weight_grad_store,
     split_linear,
 )
@@ -123,6 +130,32 @@ def _check_input(owner: str, x: Tensor, expected: int, what: str, sp: bool, tp: 
         check_divisible_dim0(x, tp, owner)
 
 
+def _wgrad_target(layer: ColumnParallelLinear | RowParallelLinear, wanted: bool) -> Tensor | None:
+    """Mark ``layer.weight`` for ``mega_tp_layers.main_grad_fusion`` where asked and every
+    path of its forward fuses (the torch backend's bf16 GEMMs: not fp8, not the rings); its
+    key, or None."""
+    if not wanted or layer.backend != "torch" or layer.fp8 is not None or layer.tp_comm_overlap:
+        return None
+    setattr(layer.weight, WGRAD_FUSION_ATTR, True)
+    return register_wgrad_target(layer, "weight")
+
+
+def _linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    store: WeightGradStore | None,
+    key: Tensor | None,
+) -> Tensor:
+    """``F.linear``, its weight gradient deferred to ``store`` and/or added into ``main_grad``
+    under ``key``."""
+    if store is not None:
+        return split_linear(x, weight, bias, store, key)
+    if key is not None:
+        return linear_into_main_grad(x, weight, bias, key)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(ShardedModule):
     """``y = x A^T + b`` with ``A`` (and ``b``) split by output rows over ``tp_group``.
 
@@ -133,7 +166,10 @@ class ColumnParallelLinear(ShardedModule):
     rows, for a vocabulary head (see :func:`~mega_tp_layers.padded_vocab_size`).
     Weights are drawn whole and sliced (``seed``/``name``: see ``mega_tp_layers.init``).
     ``backend="te"`` runs the GEMM in Transformer Engine (unverified; its parameters then
-    live in ``.te_module``).
+    live in ``.te_module``). ``wgrad_fusion=True``: under a data-parallel wrapper that offers
+    it (mega-zero-optim's, fp32 gradients) the weight gradient is added straight into
+    ``weight.main_grad`` (:mod:`mega_tp_layers.main_grad_fusion`; bf16 GEMMs of the torch
+    backend only). Only for a weight that no code outside this layer's forward uses.
     """
 
     weight: nn.Parameter
@@ -159,9 +195,11 @@ class ColumnParallelLinear(ShardedModule):
         backend: Backend = "torch",
         fp8: Fp8Recipe | None = None,
         tp_comm_overlap: bool = False,
+        wgrad_fusion: bool = False,
     ) -> None:
         super().__init__()
         owner = "ColumnParallelLinear"
+        self._wgrad_key: Tensor | None = None
         self.tp_group = check_group(tp_group, owner)
         _check_features(owner, in_features, out_features)
         if backend == "te" and skip_bias_add:
@@ -222,6 +260,7 @@ class ColumnParallelLinear(ShardedModule):
             self._make_param("bias", b_spec, Zeros(), generator=gen_b, dtype=dtype, device=device)
         else:
             self.register_parameter("bias", None)
+        self._wgrad_key = _wgrad_target(self, wgrad_fusion)
 
     def forward(self, x: Tensor) -> Tensor:
         """``[s, b, in]`` (``[s/tp, b, in]`` under SP) -> ``[s, b, out/tp]`` (or gathered)."""
@@ -240,6 +279,7 @@ class ColumnParallelLinear(ShardedModule):
             sequence_parallel=sp, gather_output=self.gather_output, fp8=self.fp8,
             tp_comm_overlap=self.tp_comm_overlap, fp8_delayed=delayed_for(self.fp8_amax, x),
             fp8_weight=cached_fp8_weight(self.fp8_weight, self.weight, self.fp8, self.tp_group),
+            wgrad_key=fused_wgrad_key(self.weight, self._wgrad_key),
         )  # fmt: skip
         if self.gather_output and out.shape[-1] != self.out_features:
             out = out[..., : self.out_features]  # padded rows' outputs are not the layer's
@@ -264,6 +304,7 @@ class RowParallelLinear(ShardedModule):
     replicated and added once, after the reduction (or not at all with
     ``skip_bias_add``: read it from ``.bias``). Under sequence parallel its gradient is
     partial per rank: call :func:`~mega_tp_layers.sync_sequence_parallel_grads`.
+    ``wgrad_fusion``: as :class:`ColumnParallelLinear`'s.
     """
 
     weight: nn.Parameter
@@ -288,9 +329,11 @@ class RowParallelLinear(ShardedModule):
         backend: Backend = "torch",
         fp8: Fp8Recipe | None = None,
         tp_comm_overlap: bool = False,
+        wgrad_fusion: bool = False,
     ) -> None:
         super().__init__()
         owner = "RowParallelLinear"
+        self._wgrad_key: Tensor | None = None
         self.tp_group = check_group(tp_group, owner)
         _check_features(owner, in_features, out_features)
         if backend == "te" and skip_bias_add:
@@ -354,6 +397,7 @@ class RowParallelLinear(ShardedModule):
             )  # fmt: skip
         else:
             self.register_parameter("bias", None)
+        self._wgrad_key = _wgrad_target(self, wgrad_fusion)
 
     def forward(self, x: Tensor) -> Tensor:
         """``[s, b, in/tp]`` -> ``[s, b, out]`` (``[s/tp, b, out]`` under SP)."""
@@ -373,24 +417,19 @@ class RowParallelLinear(ShardedModule):
         store = current_weight_grad_store() if x.requires_grad else None
         delayed = delayed_for(self.fp8_amax, x)
         w8 = cached_fp8_weight(self.fp8_weight, self.weight, fp8, group)  # a weight cache's
+        key = fused_wgrad_key(self.weight, self._wgrad_key)  # the weight gradient into main_grad
         if tp == 1:
             if fp8 is not None:
                 return fp8_linear(
                     x, self.weight, bias, recipe=fp8, store=store, delayed=delayed, weight_q=w8
                 )
-            if store is not None:
-                return split_linear(x, self.weight, bias, store)
-            return F.linear(x, self.weight, bias)
+            return _linear(x, self.weight, bias, store, key)
         if self.tp_comm_overlap:  # [s, b, in/tp] -> [s/tp, b, out], ring overlapped
             out = linear_reduce_scatter(x, self.weight, tp_group=group, fp8=fp8)
             return out if bias is None else out + bias
         # [s, b, in/tp] -> [s, b, out], partial over tp
         if fp8 is None:
-            partial = (
-                F.linear(x, self.weight)
-                if store is None
-                else split_linear(x, self.weight, None, store)
-            )
+            partial = _linear(x, self.weight, None, store, key)
         else:  # the input and weight are shards over tp (along in): scaled as the wholes
             shard = Fp8Shard(group, 1)
             partial = fp8_linear(

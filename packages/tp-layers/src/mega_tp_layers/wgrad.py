@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
+from mega_tp_layers.main_grad_fusion import linear_into_main_grad, linear_wgrad_into_main_grad
+
 __all__ = ["WeightGradStore", "current_weight_grad_store", "defer_weight_grads", "split_linear"]
 
 #: computes (grad of each parameter or None) from what the backward saved
@@ -141,11 +143,22 @@ def current_weight_grad_store() -> WeightGradStore | None:
     return _CURRENT.store if torch.is_grad_enabled() else None
 
 
-def flat_wgrad(grad: Tensor, inp: Tensor, with_bias: bool) -> tuple[Tensor, Tensor | None]:
-    """Weight and bias gradients of ``y = x W^T + b`` from ``[.., out]`` grad, ``[.., in]`` x."""
+def flat_wgrad(
+    grad: Tensor,
+    inp: Tensor,
+    with_bias: bool,
+    into_main: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Weight and bias gradients of ``y = x W^T + b`` from ``[.., out]`` grad, ``[.., in]`` x.
+
+    ``into_main``: ``(weight, key)`` whose gradient goes into its ``main_grad`` instead
+    (:func:`~mega_tp_layers.main_grad_fusion.linear_wgrad_into_main_grad`)."""
     grad_2d = grad.reshape(-1, grad.shape[-1])  # [s*b, out]
     inp_2d = inp.reshape(-1, inp.shape[-1])  # [s*b, in]
-    return grad_2d.t().matmul(inp_2d), grad_2d.sum(dim=0) if with_bias else None
+    grad_b = grad_2d.sum(dim=0) if with_bias else None
+    if into_main is not None:
+        return linear_wgrad_into_main_grad(grad_2d, inp_2d, *into_main), grad_b
+    return grad_2d.t().matmul(inp_2d), grad_b
 
 
 class _SplitLinear(Function):
@@ -159,31 +172,43 @@ class _SplitLinear(Function):
         bias: Tensor | None,
         params: tuple[Tensor, Tensor | None],
         store: WeightGradStore,
+        key: Tensor | None,
     ) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.params, ctx.store = params, store
+        ctx.params, ctx.store, ctx.key = params, store, key
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        params = ctx.params
-        ctx.store.defer(lambda: flat_wgrad(grad, x, params[1] is not None), params)
+        params, key = ctx.params, ctx.key
+        into_main = None if key is None else (params[0], key)
+        ctx.store.defer(lambda: flat_wgrad(grad, x, params[1] is not None, into_main), params)
         grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        return grad_input, None, None, None, None
+        return grad_input, None, None, None, None, None
 
 
-def split_linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore) -> Tensor:
+def split_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    store: WeightGradStore,
+    wgrad_key: Tensor | None = None,
+) -> Tensor:
     """``F.linear(x, weight, bias)`` whose weight and bias gradients ``store`` computes later.
 
     An input that carries no gradient (a stage's first layer fed data) gives the plain
     ``F.linear``: with nothing to differentiate in B, the split backward would never run
-    and the weight would get no gradient, so its backward stays fused.
+    and the weight would get no gradient, so its backward stays fused. ``wgrad_key``: the
+    weight gradient goes into its ``main_grad`` (``mega_tp_layers.main_grad_fusion``).
     """
     if not x.requires_grad:
+        if wgrad_key is not None:
+            return linear_into_main_grad(x, weight, bias, wgrad_key)
         return F.linear(x, weight, bias)
     out = _SplitLinear.apply(
-        x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), store
-    )
+        x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), store,
+        wgrad_key,
+    )  # fmt: skip
     assert isinstance(out, Tensor)
     return out

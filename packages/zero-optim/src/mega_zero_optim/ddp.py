@@ -123,10 +123,12 @@ class DistributedDataParallel(nn.Module):
     collectives of the buckets are matched by order).
 
     ``wgrad_into_main_grad`` (ZeRO-1, fp32 gradients): a layer that marks a parameter
-    ``mega_wgrad_fusion`` (mega-moe's grouped experts) adds its weight gradient, times
-    ``grad_scale``, into ``main_grad`` inside its backward, and this wrapper skips its own
-    add for it: the bf16 gradient is never written nor read again (Megatron's
-    ``gradient_accumulation_fusion``). False: every gradient goes through ``.grad``.
+    ``mega_wgrad_fusion`` (mega-moe's grouped experts, mega-tp-layers' linears built with
+    ``wgrad_fusion=True``) adds its weight gradient, times ``grad_scale``, into ``main_grad``
+    inside its backward, and this wrapper skips its own add for it: the bf16 gradient is
+    never written nor read again (Megatron's ``gradient_accumulation_fusion``). A parameter
+    registered under two names (a tied weight) is never offered. False: every gradient goes
+    through ``.grad``.
     """
 
     def __init__(
@@ -218,11 +220,16 @@ class DistributedDataParallel(nn.Module):
             self.param_and_grad_buffers.append(sharded)
         self._handles: list[Any] = []
         self._fused_wgrad: set[int] = set()  # ids of params whose layer adds into main_grad
+        shared = _shared_params(module)  # used by two modules: one may not fuse, so none does
         for buffer in self.param_and_grad_buffers:
             if broadcast_params and isinstance(buffer, ParamAndGradBuffer):
                 buffer.broadcast_params(dp_group, replicate_group)
             for index, p in enumerate(buffer.params):
-                offer = wgrad_into_main_grad and isinstance(buffer, ParamAndGradBuffer)
+                offer = (
+                    wgrad_into_main_grad
+                    and isinstance(buffer, ParamAndGradBuffer)
+                    and id(p) not in shared
+                )
                 if offer_wgrad_fusion(buffer, index, self.grad_scale, offer):
                     self._fused_wgrad.add(id(p))
                 register = p.register_post_accumulate_grad_hook
@@ -491,3 +498,11 @@ def _wait_for(buckets: list[Bucket | ShardedBucket]) -> Callable[[nn.Module, Any
                 bucket.finish_param_sync()
 
     return hook
+
+
+def _shared_params(module: nn.Module) -> set[int]:
+    """Ids of the parameters registered under more than one name (tied weights)."""
+    seen: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, count in seen.items() if count > 1}

@@ -4,7 +4,7 @@ With ``wgrad_into_main_grad`` (ZeRO-1, fp32 gradients),
 :class:`~mega_zero_optim.ddp.DistributedDataParallel` offers every parameter that its layer
 marks with :data:`WGRAD_FUSION_ATTR` the scale to add with, as :data:`MAIN_GRAD_ALPHA_ATTR`,
 and skips its own add for it (Megatron's ``gradient_accumulation_fusion``; the layer side is
-``mega_moe.wgrad_accum``).
+``mega_tp_layers.main_grad_fusion``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from mega_zero_optim.sharded_buffer import ShardedBuffer
 __all__ = ["MAIN_GRAD_ALPHA_ATTR", "WGRAD_FUSION_ATTR", "offer_wgrad_fusion"]
 
 #: a layer marks a parameter whose weight gradient it can add into ``main_grad`` itself; the
-#: wrapper answers with the scale (mega-moe's ``GroupedMLP``; see ``mega_moe.wgrad_accum``)
+#: wrapper answers with the scale (see ``mega_tp_layers.main_grad_fusion``)
 WGRAD_FUSION_ATTR = "mega_wgrad_fusion"
 MAIN_GRAD_ALPHA_ATTR = "mega_main_grad_alpha"
 
