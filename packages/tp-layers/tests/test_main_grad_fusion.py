@@ -36,6 +36,7 @@ from mega_tp_layers import (
     Fp8Recipe,
     Normal,
     RowParallelLinear,
+    column_parallel_linear,
     defer_weight_grads,
     shard_tensor,
 )
@@ -205,3 +206,22 @@ def _offers() -> dict[str, bool]:
 def test_what_is_offered(dist_pool: DistPool) -> None:
     got = dist_pool.run(_offers, 1)[0]
     assert got == {"tied": False, "fp8 marked": False, "plain": True, "after zero-2": False}
+
+
+def _functional_refusals() -> list[str]:
+    g = init_process_groups(ParallelConfig()).tp
+    x, w, key = torch.randn(4, 2, H), torch.randn(H, H), torch.zeros(1, dtype=torch.int64)
+    messages = []
+    try:
+        column_parallel_linear(x, w, tp_group=g, fp8=Fp8Recipe(emulate=True), wgrad_key=key)
+    except ValueError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_functional_refuses_a_key_it_cannot_honour(dist_pool: DistPool) -> None:
+    """An fp8 (or ring) column GEMM would drop an offered weight's gradient: one sentence."""
+    assert dist_pool.run(_functional_refusals, 1)[0] == [
+        "column_parallel_linear got a wgrad_key, but its fp8 GEMMs do not add the weight "
+        "gradient into main_grad; pass wgrad_key=None there"
+    ]

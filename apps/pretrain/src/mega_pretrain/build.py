@@ -19,7 +19,7 @@ from mega_moe import expert_shard
 from mega_parallel_grid import ParallelConfig, ProcessGroups
 from mega_pretrain.config import TrainConfig, TrainerConfig
 from mega_pretrain.data.packing import packing_for
-from mega_pretrain.graphs import compile_kwargs
+from mega_pretrain.graphs import compile_kwargs, uses_cuda_graphs
 from mega_pretrain.plan import resolve_model_config
 from mega_pretrain.runtime import resolve_precision
 from mega_tp_layers import (
@@ -247,7 +247,8 @@ def _wrap(
         units += [d.layer for chunk in chunks for d in getattr(chunk, "mtp", None) or []]
     common: dict[str, Any] = {
         "bucket_size": p.bucket_size, "overlap_grad_reduce": p.overlap_grad_reduce,
-        "wgrad_into_main_grad": p.wgrad_into_main_grad,
+        # not under CUDA graphs: the fused op's host key would split each layer's graph
+        "wgrad_into_main_grad": p.wgrad_into_main_grad and not uses_cuda_graphs(config),
     }  # fmt: skip
     # HSDP (parallel.dp_shard): the dense wrappers shard within dp_shard x cp and all-reduce
     # across the replicas; the experts shard within edp_shard (the part of edp inside one

@@ -106,8 +106,8 @@ class ParallelSection:
     the transformer blocks' bf16 linears (attention, MLA, MLP, Mamba projections; not fp8
     ones) add their weight gradients straight into the fp32 gradient buffer inside their
     backward (Megatron's gradient accumulation fusion): no bf16 gradient written and read
-    again per micro-batch. False: every gradient goes through ``.grad`` (for A/B
-    measurement)."""
+    again per micro-batch. Off under CUDA graphs (``train.compile_mode reduce-overhead``).
+    False: every gradient goes through ``.grad`` (for A/B measurement)."""
     overlap_param_gather: bool = False
     """All-gather updated parameters during the next forward (distributed optimizer)."""
     bucket_size: int = 40_000_000

@@ -260,6 +260,12 @@ def column_parallel_linear(
         "column_parallel_linear", tp_comm_overlap, sequence_parallel, tp
     )
     check_fp8_layout("column_parallel_linear", fp8, tp, ("out/tp", weight.shape[0]), overlap)
+    if wgrad_key is not None and (overlap or fp8 is not None):
+        raise ValueError(
+            "column_parallel_linear got a wgrad_key, but its "
+            f"{'tp_comm_overlap rings' if overlap else 'fp8 GEMMs'} do not add the weight "
+            "gradient into main_grad; pass wgrad_key=None there"
+        )
     if overlap:
         out = all_gather_linear(x, weight, bias, tp_group=tp_group, fp8=fp8)
         return gather_from_tp_region(out, tp_group) if gather_output else out

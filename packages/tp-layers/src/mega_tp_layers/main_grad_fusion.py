@@ -122,12 +122,15 @@ def addmm_into_main_grad(main: Tensor, dy: Tensor, x: Tensor, alpha: float) -> N
 @functools.cache
 def _out_dtype_addmm_works(device: torch.device) -> bool:
     """Whether ``torch.addmm(c, a, b, out_dtype=float32, out=c)`` on ``device`` gives
-    ``c + alpha * a @ b`` for bf16 ``a`` (a transposed view, as in backward) and ``b``:
-    integer data, so every product and sum is exact and the check is equality."""
+    ``c + alpha * a @ b`` in fp32 for bf16 ``a`` (a transposed view, as in backward) and
+    ``b``: integer data, so every product and sum is exact in fp32 and the check is equality;
+    odd ``c`` near 4096 and products up to 24 * 64 need more bits than bf16 keeps, so a
+    product or a result rounded to bf16 fails it."""
     gen = torch.Generator().manual_seed(0)
-    a = torch.randint(-4, 5, (24, 40), generator=gen).to(device, torch.bfloat16)
-    b = torch.randint(-4, 5, (24, 16), generator=gen).to(device, torch.bfloat16)
-    c = torch.randint(-64, 65, (40, 16), generator=gen).to(device, torch.float32)
+    a = torch.randint(-8, 9, (24, 40), generator=gen).to(device, torch.bfloat16)
+    b = torch.randint(-8, 9, (24, 16), generator=gen).to(device, torch.bfloat16)
+    c = 4096 + 2 * torch.randint(-512, 512, (40, 16), generator=gen) + 1
+    c = c.to(device, torch.float32)
     want = c + 2.0 * (a.t().double() @ b.double()).float()
     try:
         torch.addmm(c, a.t(), b, out_dtype=torch.float32, alpha=2.0, out=c)
