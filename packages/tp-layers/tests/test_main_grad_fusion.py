@@ -225,3 +225,26 @@ def test_functional_refuses_a_key_it_cannot_honour(dist_pool: DistPool) -> None:
         "column_parallel_linear got a wgrad_key, but its fp8 GEMMs do not add the weight "
         "gradient into main_grad; pass wgrad_key=None there"
     ]
+
+
+def _borrowed_key() -> str:
+    """A layer that runs with another layer's key (both wrapped): its backward must not add
+    into the other's main_grad."""
+    groups = init_process_groups(ParallelConfig())
+    layer = ColumnParallelLinear(H, H, tp_group=groups.tp, bias=False, wgrad_fusion=True)
+    twin = ColumnParallelLinear(H, H, tp_group=groups.tp, bias=False, wgrad_fusion=True)
+    twin._wgrad_key = layer._wgrad_key
+    DistributedDataParallel(nn.ModuleList([layer, twin]), dp_group=groups.dp)
+    try:
+        twin(torch.randn(4, 2, H)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_borrowed_key_is_refused(dist_pool: DistPool) -> None:
+    assert dist_pool.run(_borrowed_key, 1)[0] == (
+        "the weight gradient of 'weight' was to go into the main_grad registered under its "
+        "key, which belongs to another layer's weight; give each layer its own key "
+        "(register_wgrad_target)"
+    )

@@ -77,18 +77,25 @@ def register_wgrad_target(module: nn.Module, name: str) -> Tensor:
     return torch.tensor([key], dtype=torch.int64)
 
 
-def main_grad_target(key: Tensor) -> tuple[Tensor, float]:
+def main_grad_target(key: Tensor, weight: Tensor | None = None) -> tuple[Tensor, float]:
     """``(main_grad, alpha)`` of the weight registered under ``key``; one sentence where the
-    wrapper's offer is gone."""
+    wrapper's offer is gone, or where ``weight`` (the tensor the layer ran with) is not the
+    registered one (a layer that took another's key)."""
     ref, name = _TARGETS[int(key.item())]
     module = ref()
     param = None if module is None else getattr(module, name, None)
     main = getattr(param, "main_grad", None)
     alpha = getattr(param, MAIN_GRAD_ALPHA_ATTR, None)
-    if not isinstance(main, Tensor) or alpha is None:
+    if not isinstance(param, Tensor) or not isinstance(main, Tensor) or alpha is None:
         raise RuntimeError(
             f"the weight gradient of {name!r} was to go into its main_grad, but its module or "
             "the data-parallel wrapper's offer is gone; rebuild the wrapper before backward"
+        )
+    if weight is not None and weight.data_ptr() != param.data_ptr():
+        raise RuntimeError(
+            f"the weight gradient of {name!r} was to go into the main_grad registered under "
+            "its key, which belongs to another layer's weight; give each layer its own key "
+            "(register_wgrad_target)"
         )
     return main, float(alpha)
 
@@ -141,7 +148,7 @@ def _out_dtype_addmm_works(device: torch.device) -> bool:
 
 @torch.library.custom_op("mega_tp_layers::linear_wgrad_into_main_grad", mutates_args=())
 def _into_main_grad_op(dy: Tensor, x: Tensor, weight: Tensor, key: Tensor) -> Tensor:
-    main, alpha = main_grad_target(key)
+    main, alpha = main_grad_target(key, weight)
     addmm_into_main_grad(main.view(dy.shape[1], x.shape[1]), dy, x, alpha)
     # what autograd hands the weight's accumulator: never read (the wrapper that offered the
     # fusion drops it), so not written either
