@@ -40,7 +40,11 @@ from mega_tp_layers import (
     defer_weight_grads,
     shard_tensor,
 )
-from mega_tp_layers.main_grad_fusion import _out_dtype_addmm_works, addmm_into_main_grad
+from mega_tp_layers.main_grad_fusion import (
+    _out_dtype_addmm_works,
+    addmm_into_main_grad,
+    placeholder_grad,
+)
 from mega_zero_optim import DistributedDataParallel
 
 S, B, H, FFN = 8, 2, 16, 32
@@ -248,3 +252,18 @@ def test_a_borrowed_key_is_refused(dist_pool: DistPool) -> None:
         "key, which belongs to another layer's weight; give each layer its own key "
         "(register_wgrad_target)"
     )
+
+
+def test_the_placeholder_is_zeros_under_anomaly_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anomaly detection checks every backward output for NaN: the stand-in gradient must not
+    be uninitialised memory there (here uninitialised memory is made to hold NaNs); outside
+    it, it is left unwritten (no fill a micro-batch)."""
+
+    def uninitialised(t: Tensor) -> Tensor:
+        return torch.full_like(t, float("nan"))
+
+    monkeypatch.setattr(torch, "empty_like", uninitialised)
+    weight = torch.ones(8, 16)
+    with torch.autograd.set_detect_anomaly(True):
+        assert torch.equal(placeholder_grad(weight), torch.zeros_like(weight))
+    assert placeholder_grad(weight).isnan().all()

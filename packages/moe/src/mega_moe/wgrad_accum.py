@@ -33,6 +33,7 @@ from mega_tp_layers.main_grad_fusion import (
     MAIN_GRAD_ALPHA_ATTR,
     WGRAD_FUSION_ATTR,
     main_grad_target,
+    placeholder_grad,
     register_wgrad_target,
 )
 
@@ -66,9 +67,7 @@ def _into_main_grad_op(
     main, alpha = main_grad_target(key)
     experts = main.shape[0]
     _accumulate(main.view(experts, dy.shape[1], x.shape[1]), dy, x, ends, alpha, use_grouped_mm)
-    # what autograd hands the weight's accumulator: never read (the wrapper that offered the
-    # fusion drops it), so not written either
-    return torch.empty_like(weight)
+    return placeholder_grad(weight)
 
 
 @_into_main_grad_op.register_fake

@@ -47,6 +47,7 @@ __all__ = [
     "linear_into_main_grad",
     "linear_wgrad_into_main_grad",
     "main_grad_target",
+    "placeholder_grad",
     "register_wgrad_target",
 ]
 
@@ -146,13 +147,20 @@ def _out_dtype_addmm_works(device: torch.device) -> bool:
     return bool(torch.equal(c, want))
 
 
+def placeholder_grad(weight: Tensor) -> Tensor:
+    """What a fused layer hands autograd as ``weight``'s gradient: never read (the wrapper
+    that offered the fusion drops it), so not written either; zeros under anomaly detection,
+    which would flag the uninitialised memory's NaN bit patterns."""
+    if torch.is_anomaly_enabled():
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)
+
+
 @torch.library.custom_op("mega_tp_layers::linear_wgrad_into_main_grad", mutates_args=())
 def _into_main_grad_op(dy: Tensor, x: Tensor, weight: Tensor, key: Tensor) -> Tensor:
     main, alpha = main_grad_target(key, weight)
     addmm_into_main_grad(main.view(dy.shape[1], x.shape[1]), dy, x, alpha)
-    # what autograd hands the weight's accumulator: never read (the wrapper that offered the
-    # fusion drops it), so not written either
-    return torch.empty_like(weight)
+    return placeholder_grad(weight)
 
 
 @_into_main_grad_op.register_fake
