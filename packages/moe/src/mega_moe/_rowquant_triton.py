@@ -16,10 +16,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from mega_moe.fp8_rows import ROW_KERNEL_MAX_COLS
+
 __all__ = ["MAX_COLS", "quantize_rows_into"]
 
 #: the widest row one program holds (8 KiB of bf16 in registers over 8 warps)
-MAX_COLS = 4096
+MAX_COLS = ROW_KERNEL_MAX_COLS
 
 
 @triton.jit

@@ -33,6 +33,7 @@ from mega_moe.wgrad_accum import _triton_enabled
 __all__ = [
     "E4M3",
     "FP8_ROW_ALIGN",
+    "ROW_KERNEL_MAX_COLS",
     "Fp8Rows",
     "PaddedRows",
     "aligned_rows",
@@ -49,6 +50,8 @@ _EPS = 1e-12
 #: rows per expert block that ``torch._scaled_grouped_mm`` takes (16 bytes of fp8)
 FP8_ROW_ALIGN = 16
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: the widest row the one-pass kernel holds in one program's registers (``_rowquant_triton``)
+ROW_KERNEL_MAX_COLS = 4096
 
 
 class Fp8Rows(NamedTuple):
@@ -83,7 +86,7 @@ def quantize_rows(t: Tensor, group: Group = None) -> Fp8Rows:
 def _kernel_applies(t: Tensor) -> bool:
     if t.dim() != 2 or t.numel() == 0 or t.dtype not in _KERNEL_DTYPES:
         return False
-    if t.shape[1] > 4096:  # _rowquant_triton.MAX_COLS: one row in one program's registers
+    if t.shape[1] > ROW_KERNEL_MAX_COLS:
         return False
     return _triton_enabled(t.device)  # CUDA, or the interpreter on CPU for the tests
 

@@ -41,14 +41,14 @@ from mega_tp_layers.fp8 import (
 )
 from mega_tp_layers.fp8_delayed import Fp8Delayed, recorded_amax
 from mega_tp_layers.fp8_scaling import check_fp8_layout
-from mega_tp_layers.main_grad_fusion import linear_into_main_grad, linear_wgrad_into_main_grad
+from mega_tp_layers.main_grad_fusion import linear_wgrad_into_main_grad
 from mega_tp_layers.mappings import gather_from_tp_region
 from mega_tp_layers.overlap import all_gather_linear, check_tp_comm_overlap
 from mega_tp_layers.wgrad import (
     WeightGradStore,
     current_weight_grad_store,
     flat_wgrad,
-    split_linear,
+    linear_with_wgrad,
 )
 
 __all__ = ["column_parallel_linear"]
@@ -277,11 +277,7 @@ def column_parallel_linear(
                 x, weight, bias, recipe=fp8, store=store, delayed=fp8_delayed,
                 weight_q=fp8_weight,
             )  # fmt: skip
-        if store is not None:
-            return split_linear(x, weight, bias, store, wgrad_key)
-        if wgrad_key is not None:
-            return linear_into_main_grad(x, weight, bias, wgrad_key)
-        return F.linear(x, weight, bias)
+        return linear_with_wgrad(x, weight, bias, store, wgrad_key)
     deferred = None
     if store is not None:  # the weight leaves the graph: its gradient arrives in the W pass
         deferred = (store, weight, bias)

@@ -28,7 +28,6 @@ too: see ``mega_tp_layers.column_parallel``) to the store's W pass; only the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -55,7 +54,6 @@ from mega_tp_layers.init import InitMethod, Normal, PaddedRows, Zeros
 from mega_tp_layers.main_grad_fusion import (
     WGRAD_FUSION_ATTR,
     fused_wgrad_key,
-    linear_into_main_grad,
     register_wgrad_target,
 )
 from mega_tp_layers.mappings import (
@@ -72,11 +70,7 @@ from mega_tp_layers.params import ShardedModule, creation_generator
 from mega_tp_layers.shard import ShardSpec
 from mega_tp_layers.te_backend import Backend, check_backend, te_linear
 from mega_tp_layers.vocab import padded_vocab_size
-from mega_tp_layers.wgrad import (
-    WeightGradStore,
-    current_weight_grad_store,
-    split_linear,
-)
+from mega_tp_layers.wgrad import current_weight_grad_store, linear_with_wgrad
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_linear"]
 
@@ -138,22 +132,6 @@ def _wgrad_target(layer: ColumnParallelLinear | RowParallelLinear, wanted: bool)
         return None
     setattr(layer.weight, WGRAD_FUSION_ATTR, True)
     return register_wgrad_target(layer, "weight")
-
-
-def _linear(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    store: WeightGradStore | None,
-    key: Tensor | None,
-) -> Tensor:
-    """``F.linear``, its weight gradient deferred to ``store`` and/or added into ``main_grad``
-    under ``key``."""
-    if store is not None:
-        return split_linear(x, weight, bias, store, key)
-    if key is not None:
-        return linear_into_main_grad(x, weight, bias, key)
-    return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(ShardedModule):
@@ -423,13 +401,13 @@ class RowParallelLinear(ShardedModule):
                 return fp8_linear(
                     x, self.weight, bias, recipe=fp8, store=store, delayed=delayed, weight_q=w8
                 )
-            return _linear(x, self.weight, bias, store, key)
+            return linear_with_wgrad(x, self.weight, bias, store, key)
         if self.tp_comm_overlap:  # [s, b, in/tp] -> [s/tp, b, out], ring overlapped
             out = linear_reduce_scatter(x, self.weight, tp_group=group, fp8=fp8)
             return out if bias is None else out + bias
         # [s, b, in/tp] -> [s, b, out], partial over tp
         if fp8 is None:
-            partial = _linear(x, self.weight, None, store, key)
+            partial = linear_with_wgrad(x, self.weight, None, store, key)
         else:  # the input and weight are shards over tp (along in): scaled as the wholes
             shard = Fp8Shard(group, 1)
             partial = fp8_linear(

@@ -39,7 +39,13 @@ from torch.autograd import Function
 
 from mega_tp_layers.main_grad_fusion import linear_into_main_grad, linear_wgrad_into_main_grad
 
-__all__ = ["WeightGradStore", "current_weight_grad_store", "defer_weight_grads", "split_linear"]
+__all__ = [
+    "WeightGradStore",
+    "current_weight_grad_store",
+    "defer_weight_grads",
+    "linear_with_wgrad",
+    "split_linear",
+]
 
 #: computes (grad of each parameter or None) from what the backward saved
 WeightGradFn = Callable[[], tuple[Tensor | None, ...]]
@@ -212,3 +218,20 @@ def split_linear(
     )  # fmt: skip
     assert isinstance(out, Tensor)
     return out
+
+
+def linear_with_wgrad(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    store: WeightGradStore | None,
+    wgrad_key: Tensor | None,
+) -> Tensor:
+    """``F.linear(x, weight, bias)`` whose weight gradient ``store`` (if any) computes in its
+    W pass and which goes into ``weight.main_grad`` under ``wgrad_key`` (if any; see
+    ``mega_tp_layers.main_grad_fusion``)."""
+    if store is not None:
+        return split_linear(x, weight, bias, store, wgrad_key)
+    if wgrad_key is not None:
+        return linear_into_main_grad(x, weight, bias, wgrad_key)
+    return F.linear(x, weight, bias)
