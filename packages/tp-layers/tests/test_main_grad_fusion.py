@@ -177,6 +177,59 @@ def test_fused_main_grad_equals_unfused(
                 )
 
 
+def _cuda_main_grads(fused: bool, mode: str) -> dict[str, tuple[Tensor, Tensor]]:
+    """bf16 column and row layers on the GPU under the wrapper, two micro-batches each of its
+    own input and output gradient: every weight's ``main_grad`` beside the exact fp64
+    ``sum_i dy_i^T x_i`` of the bf16 operands (inductor when compiled)."""
+    groups = init_process_groups(ParallelConfig())
+    h, ffn, tokens = 256, 384, 512  # tokens a micro-batch
+    kw = {"tp_group": groups.tp, "bias": False, "init_method": Normal(0.3), "seed": 3,
+          "wgrad_fusion": True}  # fmt: skip
+    layers = nn.ModuleDict({
+        "fc1": ColumnParallelLinear(h, ffn, name="fc1", **kw),  # type: ignore[arg-type]
+        "fc2": RowParallelLinear(ffn, h, name="fc2", **kw),  # type: ignore[arg-type]
+    }).to("cuda", torch.bfloat16)  # fmt: skip
+    ddp = DistributedDataParallel(
+        layers, dp_group=groups.dp, use_distributed_optimizer=False, wgrad_into_main_grad=fused
+    )
+    gen = torch.Generator().manual_seed(11)
+    exact = {name: torch.zeros(layer.weight.shape, dtype=torch.float64)
+             for name, layer in layers.items()}  # fmt: skip
+    ddp.zero_grad_buffer()
+    for micro in range(2):
+        with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+            for name, layer in layers.items():
+                n_in, n_out = layer.weight.shape[1], layer.weight.shape[0]
+                x = torch.randn(tokens // 2, 2, n_in, generator=gen).bfloat16()
+                dy = torch.randn(tokens // 2, 2, n_out, generator=gen).bfloat16()
+                exact[name] += dy.double().flatten(0, 1).t() @ x.double().flatten(0, 1)
+                forward = torch.compile(layer, fullgraph=True) if mode == "compiled" else layer
+                forward(x.cuda().requires_grad_()).backward(dy.cuda())
+    ddp.finish_grad_sync()
+    return {name: (layer.weight.main_grad.float().cpu(), exact[name])
+            for name, layer in layers.items()}  # fmt: skip
+
+
+def _cuda_fused_and_unfused(mode: str) -> tuple[dict[str, tuple[Tensor, Tensor]], ...]:
+    return _cuda_main_grads(True, mode), _cuda_main_grads(False, mode)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS with fp32 output)")
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_fused_main_grad_on_cuda(dist_pool: DistPool, mode: str) -> None:
+    """The layers' fused path on the GPU: each micro-batch's bf16 products summed in fp32 into
+    ``main_grad``, so the exact fp64 sum is met to fp32 rounding (n = the two micro-batches'
+    tokens and the buffer). The unfused path rounds each micro-batch's gradient to bf16
+    (relative 2^-9) first and misses that bound: the check tells the paths apart."""
+    fused, unfused = dist_pool.run(_cuda_fused_and_unfused, 1, (mode,))[0]
+    for name, (got, exact) in fused.items():
+        assert float(exact.abs().max()) > 0
+        assert_close_to_reference(got, exact.float(), reduction_length=2 * 512 + 1, name=name)
+        plain, _ = unfused[name]
+        with pytest.raises(AssertionError, match="exceeds the rounding bound"):
+            assert_close_to_reference(plain, exact.float(), reduction_length=2 * 512 + 1, name=name)
+
+
 class _Tied(nn.Module):
     def __init__(self, g: dist.ProcessGroup) -> None:
         super().__init__()
