@@ -118,8 +118,10 @@ def quantize_rows_2d(t: Tensor, group: Group = None) -> Fp8Rows:
     producer in each pass: 0.27-0.40 ms a call on an H200 for ``deepseek-v3-3b``'s expert
     rows (2026-12-07). As an operator of its own the producer writes its bf16 output (which
     the weight gradient reads anyway) and the kernel reads each row once. The values are
-    the torch path's (the same operations, IEEE-rounded). Not yet the experts' default: it
-    has not run on a GPU; ``bench/fp8_expert_parts.py --part row-kernel`` swaps it in.
+    the torch path's (the same operations, IEEE-rounded; bitwise on an H100). Not the
+    experts' default: swapped in by ``bench/fp8_expert_parts.py --part row-kernel``, it made
+    ``deepseek-v3-3b``'s fp8 step slower on an H100 (993.5 against 945.4 ms, 2026-12-07;
+    not yet profiled).
     """
     if group_size(group) > 1 or not _kernel_applies(t):
         return quantize_rows(t, group)
