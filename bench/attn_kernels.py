@@ -9,6 +9,10 @@ On the GPU machine, from the repository root (one GPU; the table prints last):
     python3 bench/attn_kernels.py                    # 1b-bench: b 8, 16 heads of 128, s 2048
     python3 bench/attn_kernels.py --batch 2 --head-dim 192 --v-head-dim 128 \
         --kernels flash-pad,cudnn,efficient          # deepseek-v3-3b's MLA at mb 2
+    python3 bench/attn_kernels.py --kernels flash,cudnn,fa4   # with flash-attn-4 installed
+
+``fa4`` (``train.attention_kernel fa4``) activates FlashAttention-4 behind the flash backend
+for the rest of the process, so it goes last in ``--kernels``.
 
 FLOPs of causal attention, forward: ``2 * b * h * s^2 * (d_qk + d_v) / 2`` (QK^T and PV,
 half the square); forward + backward: 3.5x the forward (backward recomputes QK^T and does
@@ -95,7 +99,12 @@ def main() -> int:
     for name in args.kernels.split(","):
         kernel, padded = name.removesuffix("-pad"), name.endswith("-pad")
         torch._C._set_sdp_priority_order(default)
-        configure_attention_kernel(dev, kernel)
+        try:
+            configure_attention_kernel(dev, kernel)
+        except ValueError as err:  # fa4 where it cannot run: its sentence, and the rest runs
+            rows[name] = f"refused: {err}"
+            print(f"{name}: {rows[name]}", flush=True)
+            continue
         for mode in ("eager", "compiled"):
             label = f"{name} {mode}"
             plain = _sdpa_padded if padded else _sdpa

@@ -933,6 +933,27 @@ SUITES["s18c"] = [
     SUITES["s18a"][4],
 ]
 
+# FlashAttention-4 behind SDPA (train.attention_kernel fa4; issue 22, target 1's attention),
+# two calls on one warm machine: its wheels (bench/fa4_wheels.sh) are larger than one call's
+# carry. fa4a carries .snap/head/.fa4/a and keeps its part in the checkout's ignored
+# .fa4keep there, then measures the bf16 baselines; fa4b carries .snap/head/.fa4/b, unpacks
+# both halves into /tmp/fa4site and measures with fa4. Prediction (nineteenth session): at
+# FA3's ~600 TFLOP/s forward, ~-9 ms of the 268 ms step (~1.035x).
+_FA4_SITE = "/tmp/fa4site"
+_FA4 = f"PYTHONPATH={_FA4_SITE}:{_FA4_SITE}/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
+SUITES["fa4a"] = [
+    ("keep part 00", 20, "mkdir -p ../../.fa4keep && cp .fa4/a/cu13.tar.xz.part00 ../../.fa4keep/"),
+    ("ceiling", 50, _CEILING),
+    ("attn kernels", 100, "python3 bench/attn_kernels.py --kernels flash,cudnn"),
+    ("mega compile", 80, _BF16_10),
+]
+SUITES["fa4b"] = [
+    ("unpack fa4", 90, f"python3 bench/fa4_unpack.py {_FA4_SITE} ../../.fa4keep .fa4/b"),
+    ("attn kernels fa4", 200, f"{_FA4} python3 bench/attn_kernels.py --kernels cudnn,fa4"),
+    ("mega compile fa4", 150, f"{_FA4} {_BF16_10} --set train.attention_kernel=fa4"),
+    ("mega compile", 80, _BF16_10),
+]
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -117,7 +117,7 @@ def test_the_attention_kernel_goes_first_in_torchs_order() -> None:
 
 def test_a_bad_attention_kernel_is_one_sentence() -> None:
     with pytest.raises(ValueError, match=r"train.attention_kernel \('fa3'\) is not one of auto, "
-                                         r"flash, cudnn, efficient; pick one of those$"):  # fmt: skip
+                                         r"flash, cudnn, efficient, fa4; pick one of those$"):  # fmt: skip
         configure_attention_kernel(torch.device("cuda"), "fa3")
     with pytest.raises(ValueError, match=r"\('auto'\) is not one of"):
         sdpa_backend("auto")  # auto names no backend

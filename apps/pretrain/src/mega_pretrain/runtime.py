@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mega_pretrain.config import TrainerConfig
+from mega_pretrain.fa4 import activate_fa4
 
 __all__ = [
     "collective_timeout",
@@ -132,6 +133,7 @@ _SDPA_FIRST = {
     "flash": "FLASH_ATTENTION",
     "cudnn": "CUDNN_ATTENTION",
     "efficient": "EFFICIENT_ATTENTION",
+    "fa4": "FLASH_ATTENTION",  # that backend, with FlashAttention-4 activated behind it
 }
 
 
@@ -151,13 +153,17 @@ def sdpa_backend(kernel: str) -> torch.nn.attention.SDPBackend:
 def configure_attention_kernel(device: torch.device, kernel: str) -> str:
     """On CUDA, put ``kernel``'s SDPA backend first in torch's priority order (``auto``:
     torch's own order); the others stay enabled after it, for the shapes and masks it
-    cannot take. Set before the first forward, so that ``torch.compile`` traces the same
-    choice. Returns the kernel in use: ``kernel`` on CUDA, ``"auto"`` on CPU (one kernel)."""
+    cannot take. ``fa4`` first activates FlashAttention-4 behind the FlashAttention backend
+    (:func:`mega_pretrain.fa4.activate_fa4`; one sentence where it cannot run). Set before
+    the first forward, so that ``torch.compile`` traces the same choice. Returns the kernel
+    in use: ``kernel`` on CUDA, ``"auto"`` on CPU (one kernel)."""
     if kernel == "auto":
         return "auto"
     first = sdpa_backend(kernel).value  # a bad name is one sentence on any device
     if device.type != "cuda":
         return "auto"
+    if kernel == "fa4":
+        activate_fa4(device)
     order = [first, *(b for b in torch._C._get_sdp_priority_order() if b != first)]
     torch._C._set_sdp_priority_order(order)
     return kernel

@@ -1,0 +1,73 @@
+"""``train.attention_kernel fa4``: FlashAttention-4 activated behind SDPA's flash backend
+where it can run, one sentence naming the reason where it cannot (checked on CPU with the
+GPU's answers stood in; the kernels themselves need a Hopper or Blackwell GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mega_pretrain.fa4 as fa4
+from mega_pretrain.runtime import configure_attention_kernel
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A Hopper GPU with flash-attn-4 installed, as far as the checks can see; returns the
+    implementations torch was asked to activate."""
+    activated: list[str] = []
+    monkeypatch.setattr(fa4, "_torch_entry", lambda: activated.append)
+    monkeypatch.setattr(fa4, "_module_found", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    return activated
+
+
+def test_fa4_goes_first_behind_the_flash_backend(gpu: list[str]) -> None:
+    from torch.nn.attention import SDPBackend
+
+    default = torch._C._get_sdp_priority_order()
+    try:
+        assert configure_attention_kernel(CUDA, "fa4") == "fa4"
+        assert gpu == ["FA4"]
+        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.FLASH_ATTENTION)
+    finally:
+        torch._C._set_sdp_priority_order(default)
+
+
+def test_on_cpu_fa4_is_auto_and_activates_nothing(gpu: list[str]) -> None:
+    assert configure_attention_kernel(torch.device("cpu"), "fa4") == "auto"
+    assert gpu == []
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("no package", r"the flash-attn-4 package \(flash_attn.cute\) is not installed"),
+        ("old torch", r"torch \S+ has no torch.nn.attention.activate_flash_attention_impl"),
+        ("ampere", r"this GPU has compute capability 8.0, and FlashAttention-4 has kernels for "
+                   r"9.x \(Hopper\) and 10.x \(Blackwell\) only"),
+    ],
+)  # fmt: skip
+def test_where_fa4_cannot_run_is_one_sentence(
+    gpu: list[str], monkeypatch: pytest.MonkeyPatch, case: str, reason: str
+) -> None:
+    if case == "no package":
+        monkeypatch.setattr(fa4, "_module_found", lambda: False)
+    elif case == "old torch":
+        monkeypatch.setattr(fa4, "_torch_entry", lambda: None)
+    else:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    default = torch._C._get_sdp_priority_order()
+    with pytest.raises(ValueError, match=rf"^train.attention_kernel fa4 cannot run here: {reason}; "
+                                         r"install flash-attn-4 .* pick another kernel \(auto\)$"):  # fmt: skip
+        configure_attention_kernel(CUDA, "fa4")
+    assert gpu == []
+    assert torch._C._get_sdp_priority_order() == default  # refused before anything changed
+
+
+def test_the_real_checks_on_this_machine() -> None:
+    """Unpatched: the package lookup answers without raising, and a CPU device is refused."""
+    assert isinstance(fa4._module_found(), bool)
+    assert fa4.fa4_unavailable(torch.device("cpu")) == "it needs a CUDA GPU, not cpu"
