@@ -19,6 +19,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     implementations torch was asked to activate."""
     activated: list[str] = []
     monkeypatch.setattr(fa4, "_torch_entry", lambda: activated.append)
+    monkeypatch.setattr(fa4, "_torch_impls", lambda: ["FA3", "FA4"])
     monkeypatch.setattr(fa4, "_module_found", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     return activated
@@ -46,6 +47,7 @@ def test_on_cpu_fa4_is_auto_and_activates_nothing(gpu: list[str]) -> None:
     [
         ("no package", r"the flash-attn-4 package \(flash_attn.cute\) is not installed"),
         ("old torch", r"torch \S+ has no torch.nn.attention.activate_flash_attention_impl"),
+        ("fa3 only", r"torch \S+ registers no FA4 flash attention implementation \(it has FA3\)"),
         ("ampere", r"this GPU has compute capability 8.0, and FlashAttention-4 has kernels for "
                    r"9.x \(Hopper\) and 10.x \(Blackwell\) only"),
     ],
@@ -57,6 +59,8 @@ def test_where_fa4_cannot_run_is_one_sentence(
         monkeypatch.setattr(fa4, "_module_found", lambda: False)
     elif case == "old torch":
         monkeypatch.setattr(fa4, "_torch_entry", lambda: None)
+    elif case == "fa3 only":
+        monkeypatch.setattr(fa4, "_torch_impls", lambda: ["FA3"])
     else:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     default = torch._C._get_sdp_priority_order()
@@ -70,4 +74,6 @@ def test_where_fa4_cannot_run_is_one_sentence(
 def test_the_real_checks_on_this_machine() -> None:
     """Unpatched: the package lookup answers without raising, and a CPU device is refused."""
     assert isinstance(fa4._module_found(), bool)
+    impls = fa4._torch_impls()
+    assert impls is None or all(isinstance(name, str) for name in impls)
     assert fa4.fa4_unavailable(torch.device("cpu")) == "it needs a CUDA GPU, not cpu"

@@ -35,6 +35,14 @@ def _torch_entry() -> Callable[[str], None] | None:
     return entry
 
 
+def _torch_impls() -> list[str] | None:
+    """The flash attention implementations this torch registers, where it can list them."""
+    import torch.nn.attention as attention
+
+    lister = getattr(attention, "list_flash_attention_impls", None)
+    return None if lister is None else [str(name) for name in lister()]
+
+
 def _module_found() -> bool:
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
@@ -48,6 +56,12 @@ def fa4_unavailable(device: torch.device) -> str | None:
         return f"it needs a CUDA GPU, not {device.type}"
     if _torch_entry() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.activate_flash_attention_impl"
+    impls = _torch_impls()
+    if impls is not None and "FA4" not in impls:
+        return (
+            f"torch {torch.__version__} registers no FA4 flash attention implementation "
+            f"(it has {', '.join(impls) or 'none'})"
+        )
     if not _module_found():
         return "the flash-attn-4 package (flash_attn.cute) is not installed"
     major, minor = torch.cuda.get_device_capability(device)
