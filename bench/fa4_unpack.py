@@ -26,11 +26,15 @@ def main(site: str, *folders: str) -> int:
         print(f"fa4_unpack: want parts 00 and 01 of cu13.tar.xz, found {[str(p) for p in parts]}")
         return 2
     wheels = [str(w) for f in folders for w in Path(f).glob("*.whl")]
-    subprocess.run(
+    pip = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
          "--upgrade", "--target", site, *wheels],
-        check=True,
+        capture_output=True, text=True, check=False,
     )  # fmt: skip
+    if pip.returncode != 0:
+        last = (pip.stderr.strip().splitlines() or ["no message"])[-1]
+        print(f"fa4_unpack: pip could not install {len(wheels)} wheels into {site}: {last}")
+        return 1
     # after pip: with --upgrade it replaces a top-level folder it installs into
     # (nvidia_cutlass_dsl, which the library shares with nvidia-cutlass-dsl-libs-base)
     data = lzma.decompress(b"".join(p.read_bytes() for p in parts))

@@ -11,6 +11,7 @@ import mega_pretrain.fa4 as fa4
 from mega_pretrain.runtime import configure_attention_kernel
 
 CUDA = torch.device("cuda")
+_REAL_MODULE_PROBLEM = fa4._module_problem
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     activated: list[str] = []
     monkeypatch.setattr(fa4, "_torch_entry", lambda: activated.append)
     monkeypatch.setattr(fa4, "_torch_impls", lambda: ["FA3", "FA4"])
-    monkeypatch.setattr(fa4, "_module_found", lambda: True)
+    monkeypatch.setattr(fa4, "_module_problem", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     return activated
 
@@ -45,7 +46,11 @@ def test_on_cpu_fa4_is_auto_and_activates_nothing(gpu: list[str]) -> None:
 @pytest.mark.parametrize(
     ("case", "reason"),
     [
-        ("no package", r"the flash-attn-4 package \(flash_attn.cute\) is not installed"),
+        ("no package", r"the flash-attn-4 package \(flash_attn.cute.interface\) is not installed"),
+        ("broken package", r"flash_attn.cute.interface cannot be imported \(libcuda.so.1: cannot "
+                           r"open shared object file\)"),
+        ("activation fails", r"torch's activation failed \(RuntimeError: Module "
+                             r"'flash_attn.cute.interface' does not expose FA4 kernels\)"),
         ("old torch", r"torch \S+ has no torch.nn.attention.activate_flash_attention_impl"),
         ("fa3 only", r"torch \S+ registers no FA4 flash attention implementation \(it has FA3\)"),
         ("ampere", r"this GPU has compute capability 8.0, and FlashAttention-4 has kernels for "
@@ -55,8 +60,24 @@ def test_on_cpu_fa4_is_auto_and_activates_nothing(gpu: list[str]) -> None:
 def test_where_fa4_cannot_run_is_one_sentence(
     gpu: list[str], monkeypatch: pytest.MonkeyPatch, case: str, reason: str
 ) -> None:
-    if case == "no package":
-        monkeypatch.setattr(fa4, "_module_found", lambda: False)
+    if case in ("no package", "broken package"):
+        error = (
+            ModuleNotFoundError("No module named 'flash_attn'")
+            if case == "no package"
+            else ImportError("libcuda.so.1: cannot open shared object file")
+        )
+
+        def find_spec(name: str) -> None:
+            raise error
+
+        monkeypatch.setattr(fa4.importlib.util, "find_spec", find_spec)
+        monkeypatch.setattr(fa4, "_module_problem", _REAL_MODULE_PROBLEM)  # the fixture's undone
+    elif case == "activation fails":
+
+        def activate(name: str) -> None:
+            raise RuntimeError("Module 'flash_attn.cute.interface' does not expose FA4 kernels")
+
+        monkeypatch.setattr(fa4, "_torch_entry", lambda: activate)
     elif case == "old torch":
         monkeypatch.setattr(fa4, "_torch_entry", lambda: None)
     elif case == "fa3 only":
@@ -73,7 +94,8 @@ def test_where_fa4_cannot_run_is_one_sentence(
 
 def test_the_real_checks_on_this_machine() -> None:
     """Unpatched: the package lookup answers without raising, and a CPU device is refused."""
-    assert isinstance(fa4._module_found(), bool)
+    problem = fa4._module_problem()
+    assert problem is None or "flash_attn.cute.interface" in problem
     impls = fa4._torch_impls()
     assert impls is None or all(isinstance(name, str) for name in impls)
     assert fa4.fa4_unavailable(torch.device("cpu")) == "it needs a CUDA GPU, not cpu"

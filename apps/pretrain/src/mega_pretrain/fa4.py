@@ -43,11 +43,16 @@ def _torch_impls() -> list[str] | None:
     return None if lister is None else [str(name) for name in lister()]
 
 
-def _module_found() -> bool:
+def _module_problem() -> str | None:
+    """Why :data:`FA4_MODULE` cannot be found, or None where it can (finding it imports its
+    parent packages, whose own imports may fail)."""
     try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
+        spec = importlib.util.find_spec(FA4_MODULE)
     except ModuleNotFoundError:  # no flash_attn package at all
-        return False
+        spec = None
+    except ImportError as err:
+        return f"{FA4_MODULE} cannot be imported ({err})"
+    return None if spec is not None else f"the flash-attn-4 package ({FA4_MODULE}) is not installed"
 
 
 def fa4_unavailable(device: torch.device) -> str | None:
@@ -62,8 +67,9 @@ def fa4_unavailable(device: torch.device) -> str | None:
             f"torch {torch.__version__} registers no FA4 flash attention implementation "
             f"(it has {', '.join(impls) or 'none'})"
         )
-    if not _module_found():
-        return "the flash-attn-4 package (flash_attn.cute) is not installed"
+    problem = _module_problem()
+    if problem is not None:
+        return problem
     major, minor = torch.cuda.get_device_capability(device)
     if major not in _MAJORS:
         return (
@@ -76,11 +82,16 @@ def fa4_unavailable(device: torch.device) -> str | None:
 def activate_fa4(device: torch.device) -> None:
     """Route SDPA's FlashAttention backend to FlashAttention-4, or raise ``ValueError``."""
     reason = fa4_unavailable(device)
-    if reason is not None:
-        raise ValueError(
-            f"train.attention_kernel fa4 cannot run here: {reason}; install flash-attn-4 on a "
-            "Hopper or Blackwell GPU with a torch that has it, or pick another kernel (auto)"
-        )
-    entry = _torch_entry()
-    assert entry is not None  # checked above
-    entry("FA4")
+    if reason is None:
+        entry = _torch_entry()
+        assert entry is not None  # checked above
+        try:
+            entry("FA4")  # torch imports FA4_MODULE and registers its kernels here
+            return
+        except Exception as err:  # one sentence at start-up, not a traceback
+            first = next(iter(str(err).splitlines()), "")  # its first line only
+            reason = f"torch's activation failed ({type(err).__name__}: {first})"
+    raise ValueError(
+        f"train.attention_kernel fa4 cannot run here: {reason}; install flash-attn-4 on a "
+        "Hopper or Blackwell GPU with a torch that has it, or pick another kernel (auto)"
+    )
