@@ -938,12 +938,15 @@ SUITES["s18c"] = [
 # carry. fa4a carries .snap/head/.fa4/a and keeps its part in the checkout's ignored
 # .fa4keep there, then measures the bf16 baselines; fa4b carries .snap/head/.fa4/b, unpacks
 # both halves into /tmp/fa4site and measures with fa4. Prediction (nineteenth session): at
-# FA3's ~600 TFLOP/s forward, ~-9 ms of the 268 ms step (~1.035x).
+# FA3's ~600 TFLOP/s forward, ~-9 ms of the 268 ms step (~1.035x). fa4a also times the
+# experts' weight-gradient kernel with the main gradient's tile read before the products
+# (PREFETCH, twentieth session): prediction fc1 ~1.0 -> ~0.65 ms, fc2 ~0.5 -> ~0.33 ms.
 _FA4_SITE = "/tmp/fa4site"
 _FA4 = f"PYTHONPATH={_FA4_SITE}:{_FA4_SITE}/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 SUITES["fa4a"] = [
     ("keep part 00", 20, "mkdir -p ../../.fa4keep && cp .fa4/a/cu13.tar.xz.part00 ../../.fa4keep/"),
     ("ceiling", 50, _CEILING),
+    ("expert wgrad", 150, "python3 bench/expert_wgrad.py"),
     ("attn kernels", 100, "python3 bench/attn_kernels.py --kernels flash,cudnn"),
     ("mega compile", 80, _BF16_10),
 ]

@@ -59,14 +59,19 @@ def _operands(
 
 def check_accumulate(
     counts: list[int], n: int, k: int, dtype: torch.dtype, alpha: float, device: str = "cpu",
-    use_grouped_mm: bool = False,
+    use_grouped_mm: bool = False, blocks: tuple[int, int, int, int, int, bool] | None = None,
 ) -> None:  # fmt: skip
+    """``blocks``: run the Triton kernel itself at that configuration (else the dispatch)."""
     main, dy, x, ends = _operands(counts, n, k, dtype)
     start = main.clone()
     got = main.to(device)
-    grouped_wgrad_accumulate(
-        got, dy.to(device), x.to(device), ends.to(device), alpha, use_grouped_mm=use_grouped_mm
-    )
+    operands = (got, dy.to(device), x.to(device), ends.to(device), alpha)
+    if blocks is None:
+        grouped_wgrad_accumulate(*operands, use_grouped_mm=use_grouped_mm)
+    else:
+        from mega_moe._wgrad_triton import grouped_wgrad_accumulate_kernel
+
+        grouped_wgrad_accumulate_kernel(*operands, blocks)
     exact = start.double()
     scale = start.double().abs()
     begin = 0
@@ -98,7 +103,9 @@ def test_aten_path(case: tuple[list[int], int, int, torch.dtype, float], grouped
 
 
 def test_triton_kernel() -> None:
-    """The kernel in a child process: interpreted on CPU, compiled on CUDA."""
+    """The kernel in a child process: interpreted on CPU, compiled on CUDA; through the
+    dispatch (the default blocks) and at each configuration that reads the main gradient
+    before the products (``PREFETCH``)."""
     pytest.importorskip("triton")
     cuda = torch.cuda.is_available()
     code = (
@@ -108,18 +115,26 @@ def test_triton_kernel() -> None:
         "from mega_moe.wgrad_accum import _kernel_applies\n"
         "probe = torch.zeros(1, 2, 2, device=dev)\n"
         "assert _kernel_applies(probe, probe[0].bfloat16(), probe[0].bfloat16())\n"
+        "from mega_moe._wgrad_triton import TUNING\n"
+        "configs = [None] + [b for b in TUNING if b[5]]\n"
         "out = {}\n"
         "for i, case in enumerate(mod['KERNEL_CASES']):\n"
-        "    try:\n"
-        "        mod['check_accumulate'](*case, dev)\n"
-        "        out[i] = 'ok'\n"
-        "    except AssertionError as e:\n"
-        "        out[i] = str(e)\n"
+        "    for blocks in configs:\n"
+        "        try:\n"
+        "            mod['check_accumulate'](*case, dev, blocks=blocks)\n"
+        "            out[f'{i} {blocks}'] = 'ok'\n"
+        "        except AssertionError as e:\n"
+        "            out[f'{i} {blocks}'] = str(e)\n"
         "print(json.dumps(out))\n"
     )
     stdout = run_kernel_child(code)
     results = json.loads(stdout.strip().splitlines()[-1])
-    assert results == {str(i): "ok" for i in range(len(KERNEL_CASES))}, results
+    from mega_moe._wgrad_triton import TUNING
+
+    prefetching = sum(1 for b in TUNING if b[5])
+    assert prefetching > 0
+    assert len(results) == len(KERNEL_CASES) * (1 + prefetching), results
+    assert all(v == "ok" for v in results.values()), results
 
 
 def test_bad_shapes_are_one_sentence() -> None:
