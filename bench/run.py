@@ -957,6 +957,19 @@ SUITES["fa4b"] = [
     ("mega compile", 80, _BF16_10),
 ]
 
+# s20c, after fa4a/fa4b on the same machine: the experts' weight-gradient kernel with the
+# main gradient's tile read before the products, in the step (deepseek-v3-3b mb 4 x 8, bf16
+# moments; bench/wgrad_blocks.py beside the default blocks; prediction from fa4a's kernel
+# times), then the hybrid beside GPT (owed on an H200 since the Triton scan)
+_WGRAD_BEST = "32,128,128,8,4,1"
+SUITES["s20c"] = [
+    ("deepseek-v3-3b mb 4 bf16 moments", 130, _DSV3_5.format(_STEP)),
+    ("deepseek-v3-3b mb 4 bf16 moments wgrad prefetch", 130,
+     _DSV3_5.format(f"python3 bench/wgrad_blocks.py --blocks {_WGRAD_BEST}")),
+    ("hybrid vs gpt", 160, "python3 bench/hybrid_vs_gpt.py --compile"),
+    ("moe loss bf16 mb4", 150, _moe_loss_run("m-bf16", "--train.micro_batch_size 4")),
+]  # fmt: skip
+
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

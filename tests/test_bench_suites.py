@@ -29,6 +29,7 @@ STEP_SCRIPTS = {
     "bench/fp8_delayed_parts.py",
     "bench/mla_padded.py",
     "bench/fp8_fixed_scale.py",
+    "bench/wgrad_blocks.py",
 }
 
 
@@ -111,3 +112,29 @@ def test_every_override_and_size_exists(label: str, command: str) -> None:
     for pairs in _overrides(command):
         config = load_config(None, pairs)
         resolve_model_config(config)  # the size is one the registry knows
+
+
+def test_wgrad_blocks_are_tested_configurations() -> None:
+    """Every ``bench/wgrad_blocks.py --blocks`` of a suite parses to a configuration of the
+    kernel's ``TUNING`` list, each of which its interpreter test runs (so no untested blocks
+    reach the device); a malformed one is one sentence."""
+    pytest.importorskip("triton")
+    from mega_moe._wgrad_triton import TUNING
+
+    spec = importlib.util.spec_from_file_location(
+        "wgrad_blocks", ROOT / "bench" / "wgrad_blocks.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = [
+        words[words.index("--blocks") + 1]
+        for _, command in COMMANDS
+        for words in _segments(command)
+        if "bench/wgrad_blocks.py" in words
+    ]
+    assert found
+    for text in found:
+        assert module.parse_blocks(text) in TUNING, text
+    with pytest.raises(SystemExit, match="six integers"):
+        module.parse_blocks("32,128")
