@@ -946,6 +946,13 @@ _FA4 = f"PYTHONPATH={_FA4_SITE}:{_FA4_SITE}/nvidia_cutlass_dsl/dsl_packages:$PYT
 SUITES["fa4a"] = [
     ("keep part 00", 20, "mkdir -p ../../.fa4keep && cp .fa4/a/cu13.tar.xz.part00 ../../.fa4keep/"),
     ("ceiling", 50, _CEILING),
+    (
+        "wgrad kernel gpu test",
+        60,
+        "python3 -m pytest -q -p no:cacheprovider "
+        "packages/moe/tests/test_wgrad_into_main_grad.py "
+        "-k 'triton_kernel or cuda'",
+    ),
     ("expert wgrad", 150, "python3 bench/expert_wgrad.py"),
     ("attn kernels", 100, "python3 bench/attn_kernels.py --kernels flash,cudnn"),
     ("mega compile", 80, _BF16_10),
