@@ -936,8 +936,8 @@ SUITES["s18c"] = [
 # FlashAttention-4 behind SDPA (train.attention_kernel fa4; issue 22, target 1's attention),
 # two calls on one warm machine: its wheels (bench/fa4_wheels.sh) are larger than one call's
 # carry. fa4a carries .snap/head/.fa4/a and keeps its part in the checkout's ignored
-# .fa4keep there, then measures the bf16 baselines; fa4b carries .snap/head/.fa4/b, unpacks
-# both halves into /tmp/fa4site and measures with fa4. Prediction (nineteenth session): at
+# .fa4keep there; fa4b carries .snap/head/.fa4/b, unpacks both halves into /tmp/fa4site and
+# measures with fa4 beside its own baselines. Prediction (nineteenth session): at
 # FA3's ~600 TFLOP/s forward, ~-9 ms of the 268 ms step (~1.035x). fa4a also times the
 # experts' weight-gradient kernel with the main gradient's tile read before the products
 # (PREFETCH, twentieth session): prediction fc1 ~1.0 -> ~0.65 ms, fc2 ~0.5 -> ~0.33 ms.
@@ -954,8 +954,6 @@ SUITES["fa4a"] = [
         "-k 'triton_kernel or cuda'",
     ),
     ("expert wgrad", 150, "python3 bench/expert_wgrad.py"),
-    ("attn kernels", 100, "python3 bench/attn_kernels.py --kernels flash,cudnn"),
-    ("mega compile", 80, _BF16_10),
 ]
 SUITES["fa4b"] = [
     ("unpack fa4", 90, f"python3 bench/fa4_unpack.py {_FA4_SITE} ../../.fa4keep .fa4/b"),
