@@ -151,14 +151,9 @@ def sort_by_expert(
     counts = routing_map.sum(dim=0)
     if per_token is not None:
         # exactly k experts per token: M = N*k rows, a static shape (no host sync, no
-        # graph break under torch.compile). A stable sort of the token-major expert ids is
-        # expert-major with ascending token index inside each expert, as nonzero gives.
-        chosen = torch.argsort((~routing_map).to(torch.uint8), dim=1, stable=True)[:, :per_token]
-        flat = chosen.flatten()  # [N*k] expert of each (token, choice), token-major
-        order = torch.argsort(flat, stable=True)
+        # graph break under torch.compile), by counting instead of sorting
+        flat, order, inverse = _counting_order(routing_map, per_token, counts)
         token_idx = torch.div(order, per_token, rounding_mode="floor")
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
         if align > 1:
             return _aligned(token_idx, flat[order], order, inverse, counts, n, per_token)
         perm = Permutation(
@@ -168,6 +163,34 @@ def sort_by_expert(
     pairs = routing_map.t().nonzero()  # [M, 2] (expert, token), expert-major
     perm = Permutation(pairs[:, 1], pairs[:, 0], n, padded=False, per_token=per_token)
     return perm, counts
+
+
+def _counting_order(routing_map: Tensor, k: int, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(flat, order, inverse)`` of a map with exactly ``k`` True a row, by counting.
+
+    ``flat [N*k]``: the experts of each token in ascending order, token-major (choice ``j``
+    of token ``t`` at ``t*k + j``); ``order [N*k]``: the token-major positions in
+    expert-major order, tokens ascending inside each expert (a stable sort of ``flat``, as
+    ``nonzero`` of the transposed map gives); ``inverse``: ``order``'s inverse permutation.
+
+    A pair's place in its row (its choice ``j``) is the row's running count, its place in the
+    expert's block the column's running count after the blocks of the experts before it:
+    two scans, a compare-and-count and gathers, which the compiler fuses, where two stable
+    sorts (a segmented one over every row, then one over all ``N*k`` pairs) took ~12 ms of an
+    H100's ``deepseek-v3-3b`` step (2026-12-07).
+    """
+    n = routing_map.shape[0]
+    taken = routing_map.to(torch.int32)
+    in_row = taken.cumsum(dim=1)  # [N, E]: the pairs of the row up to this expert
+    choices = torch.arange(k, device=routing_map.device, dtype=torch.int32)
+    # the j-th expert of a row: how many experts come before the row's (j+1)-th pair
+    chosen = (in_row.unsqueeze(1) <= choices.view(1, k, 1)).sum(dim=-1)  # [N, k]
+    starts = torch.cumsum(counts, dim=0) - counts  # [E]: where each expert's block starts
+    place = starts.unsqueeze(0) + taken.cumsum(dim=0) - 1  # [N, E]: a pair's expert-major row
+    inverse = place.gather(1, chosen).flatten()  # [N*k]: token-major -> expert-major
+    order = torch.empty_like(inverse)
+    order[inverse] = torch.arange(n * k, device=routing_map.device, dtype=inverse.dtype)
+    return chosen.flatten(), order, inverse
 
 
 def _aligned(

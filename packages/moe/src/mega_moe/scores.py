@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from mega_moe.config import RouterConfig
+from mega_moe.row_topk import row_topk
 
 __all__ = [
     "drop_over_capacity",
@@ -32,8 +33,8 @@ def group_limited_mask(
     """
     n, e = selection.shape
     grouped = selection.view(n, num_groups, e // num_groups)  # [N, G, E/G]
-    group_scores = grouped.topk(scored_by, dim=-1).values.sum(dim=-1)  # [N, G]
-    best = group_scores.topk(group_topk, dim=-1).indices  # [N, group_topk]
+    group_scores = row_topk(grouped, scored_by)[0].sum(dim=-1)  # [N, G]
+    best = row_topk(group_scores, group_topk)[1]  # [N, group_topk]
     chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
     return chosen.unsqueeze(-1).expand_as(grouped).reshape(n, e)
 
@@ -63,7 +64,7 @@ def select_experts(
     if c.num_groups is not None and c.group_topk is not None:
         keep = group_limited_mask(selection, c.num_groups, c.group_topk, c.group_scored_by)
         selection = selection.masked_fill(~keep, float("-inf"))
-    index = selection.topk(c.top_k, dim=-1).indices  # [N, k]
+    index = row_topk(selection, c.top_k)[1]  # [N, k]
     if c.score_function == "softmax" and not c.softmax_before_topk:
         weights = torch.softmax(logits.gather(1, index), dim=-1)
     else:
