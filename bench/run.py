@@ -965,10 +965,14 @@ SUITES["fa4b"] = [
 # s20c, after fa4a/fa4b on the same machine: the experts' weight-gradient kernel with the
 # main gradient's tile read before the products, in the step (deepseek-v3-3b mb 4 x 8, bf16
 # moments; bench/wgrad_blocks.py beside the default blocks; prediction from fa4a's kernel
-# times), then the hybrid beside GPT (owed on an H200 since the Triton scan)
+# times), the routing without sorts against the sorts it replaced (bench/routing_parts.py;
+# prediction: -15 … -25 ms of the ~30 ms of gatherTopK and sorts), then the hybrid beside
+# GPT (owed on an H200 since the Triton scan)
 _WGRAD_BEST = "32,128,128,8,4,1"
 SUITES["s20c"] = [
     ("deepseek-v3-3b mb 4 bf16 moments", 130, _DSV3_5.format(_STEP)),
+    ("deepseek-v3-3b mb 4 bf16 moments routing sorts", 130,
+     _DSV3_5.format("python3 bench/routing_parts.py --part sorts")),
     ("deepseek-v3-3b mb 4 bf16 moments wgrad prefetch", 130,
      _DSV3_5.format(f"python3 bench/wgrad_blocks.py --blocks {_WGRAD_BEST}")),
     ("hybrid vs gpt", 160, "python3 bench/hybrid_vs_gpt.py --compile"),

@@ -30,6 +30,7 @@ STEP_SCRIPTS = {
     "bench/mla_padded.py",
     "bench/fp8_fixed_scale.py",
     "bench/wgrad_blocks.py",
+    "bench/routing_parts.py",
 }
 
 
