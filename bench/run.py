@@ -947,10 +947,10 @@ SUITES["fa4a"] = [
     ("keep part 00", 20, "mkdir -p ../../.fa4keep && cp .fa4/a/cu13.tar.xz.part00 ../../.fa4keep/"),
     ("ceiling", 50, _CEILING),
     (
-        "wgrad kernel gpu test",
-        60,
+        "wgrad kernel and routing gpu tests",
+        90,
         "python3 -m pytest -q -p no:cacheprovider "
-        "packages/moe/tests/test_wgrad_into_main_grad.py "
+        "packages/moe/tests/test_wgrad_into_main_grad.py packages/moe/tests/test_routing_order.py "
         "-k 'triton_kernel or cuda'",
     ),
     ("expert wgrad", 150, "python3 bench/expert_wgrad.py"),

@@ -140,3 +140,26 @@ def test_group_limited_routing_through_the_rounds(score: str) -> None:
     assert_close_to_reference(
         compiled[0], eager[0], reduction_length=16, scale=1.0, name=f"{score} weights"
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Inductor's GPU kernels)")
+def test_on_cuda_at_a_real_size() -> None:
+    """``deepseek-v3-3b``'s routing shapes on the GPU, compiled: 16,384 tokens, 8 groups of 8
+    experts, the best 2 of each group, 4 groups, 6 experts; then the permutation."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(16384, 64, device="cuda", generator=gen)
+    top = torch.compile(row_topk, fullgraph=True)
+    for shape, k in (((16384, 8, 8), 2), ((16384, 8), 4), ((16384, 64), 6)):
+        values, indices = top(x.view(shape), k, rounds=True)
+        want = torch.topk(x.view(shape), k, dim=-1)
+        assert torch.equal(values, want.values) and torch.equal(indices, want.indices), shape
+    routing_map = torch.zeros(16384, 64, dtype=torch.bool, device="cuda")
+    routing_map.scatter_(1, torch.topk(x, 6, dim=-1).indices, True)
+
+    def build(m: Tensor) -> tuple[Tensor, Tensor]:
+        perm, _ = sort_by_expert(m, per_token=6)
+        return perm.token_idx, perm.expert_idx
+
+    token_idx, expert_idx = torch.compile(build, fullgraph=True)(routing_map)
+    flat, order, tokens = _sorted_order(routing_map, 6)
+    assert torch.equal(token_idx, tokens) and torch.equal(expert_idx, flat[order])
