@@ -933,35 +933,6 @@ SUITES["s18c"] = [
     SUITES["s18a"][4],
 ]
 
-# FlashAttention-4 behind SDPA (train.attention_kernel fa4; issue 22, target 1's attention),
-# two calls on one warm machine: its wheels (bench/fa4_wheels.sh) are larger than one call's
-# carry. fa4a carries .snap/head/.fa4/a and keeps its part in the checkout's ignored
-# .fa4keep there; fa4b carries .snap/head/.fa4/b, unpacks both halves into /tmp/fa4site and
-# measures with fa4 beside its own baselines. Prediction (nineteenth session): at
-# FA3's ~600 TFLOP/s forward, ~-9 ms of the 268 ms step (~1.035x). fa4a also times the
-# experts' weight-gradient kernel with the main gradient's tile read before the products
-# (PREFETCH, twentieth session): prediction fc1 ~1.0 -> ~0.65 ms, fc2 ~0.5 -> ~0.33 ms.
-_FA4_SITE = "/tmp/fa4site"
-_FA4 = f"PYTHONPATH={_FA4_SITE}:{_FA4_SITE}/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
-SUITES["fa4a"] = [
-    ("keep part 00", 20, "mkdir -p ../../.fa4keep && cp .fa4/a/cu13.tar.xz.part00 ../../.fa4keep/"),
-    ("ceiling", 50, _CEILING),
-    (
-        "wgrad kernel and routing gpu tests",
-        90,
-        "python3 -m pytest -q -p no:cacheprovider "
-        "packages/moe/tests/test_wgrad_into_main_grad.py packages/moe/tests/test_routing_order.py "
-        "-k 'triton_kernel or cuda'",
-    ),
-    ("expert wgrad", 150, "python3 bench/expert_wgrad.py"),
-]
-SUITES["fa4b"] = [
-    ("unpack fa4", 90, f"python3 bench/fa4_unpack.py {_FA4_SITE} ../../.fa4keep .fa4/b"),
-    ("attn kernels fa4", 200, f"{_FA4} python3 bench/attn_kernels.py --kernels cudnn,fa4"),
-    ("mega compile fa4", 150, f"{_FA4} {_BF16_10} --set train.attention_kernel=fa4"),
-    ("mega compile", 80, _BF16_10),
-]
-
 # s20c, after fa4a/fa4b on the same machine: the experts' weight-gradient kernel with the
 # main gradient's tile read before the products, in the step (deepseek-v3-3b mb 4 x 8, bf16
 # moments; bench/wgrad_blocks.py beside the default blocks; prediction from fa4a's kernel
@@ -978,6 +949,39 @@ SUITES["s20c"] = [
     ("hybrid vs gpt", 160, "python3 bench/hybrid_vs_gpt.py --compile"),
     ("moe loss bf16 mb4", 150, _moe_loss_run("m-bf16", "--train.micro_batch_size 4")),
 ]  # fmt: skip
+
+# FlashAttention-4 behind SDPA (train.attention_kernel fa4; issue 22, target 1's attention),
+# two calls on one warm machine: its wheels (bench/fa4_wheels.sh) are larger than one call's
+# carry. fa4a carries .snap/head/.fa4/a and keeps its part in the checkout's ignored
+# .fa4keep there, then runs the new MoE code's GPU tests, times the wgrad kernel's
+# configurations and takes s20c's routing A/B (the device time left fits no third call);
+# fa4b carries .snap/head/.fa4/b, unpacks both halves into /tmp/fa4site and
+# measures with fa4 beside its own baselines. Prediction (nineteenth session): at
+# FA3's ~600 TFLOP/s forward, ~-9 ms of the 268 ms step (~1.035x). fa4a also times the
+# experts' weight-gradient kernel with the main gradient's tile read before the products
+# (PREFETCH, twentieth session): prediction fc1 ~1.0 -> ~0.65 ms, fc2 ~0.5 -> ~0.33 ms.
+_FA4_SITE = "/tmp/fa4site"
+_FA4 = f"PYTHONPATH={_FA4_SITE}:{_FA4_SITE}/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
+SUITES["fa4a"] = [
+    ("keep part 00", 20, "mkdir -p ../../.fa4keep && cp .fa4/a/cu13.tar.xz.part00 ../../.fa4keep/"),
+    (
+        "wgrad kernel and routing gpu tests",
+        90,
+        "python3 -m pytest -q -p no:cacheprovider "
+        "packages/moe/tests/test_wgrad_into_main_grad.py packages/moe/tests/test_routing_order.py "
+        "-k 'triton_kernel or cuda'",
+    ),
+    ("expert wgrad", 150, "python3 bench/expert_wgrad.py"),
+    SUITES["s20c"][0],
+    SUITES["s20c"][1],
+]
+SUITES["fa4b"] = [
+    ("unpack fa4", 90, f"python3 bench/fa4_unpack.py {_FA4_SITE} ../../.fa4keep .fa4/b"),
+    ("attn kernels fa4", 200, f"{_FA4} python3 bench/attn_kernels.py --kernels cudnn,fa4"),
+    ("mega compile fa4", 150, f"{_FA4} {_BF16_10} --set train.attention_kernel=fa4"),
+    ("mega compile", 80, _BF16_10),
+]
+
 
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
