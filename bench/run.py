@@ -975,6 +975,8 @@ SUITES["fa4a"] = [
     SUITES["s20c"][0],
     SUITES["s20c"][1],
 ]
+# s20a: fa4a without its FA4 part, for device time that fits one call, not FA4's two
+SUITES["s20a"] = SUITES["fa4a"][1:]
 SUITES["fa4b"] = [
     ("unpack fa4", 90, f"python3 bench/fa4_unpack.py {_FA4_SITE} ../../.fa4keep .fa4/b"),
     ("attn kernels fa4", 200, f"{_FA4} python3 bench/attn_kernels.py --kernels cudnn,fa4"),
