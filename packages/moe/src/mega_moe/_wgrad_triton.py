@@ -13,10 +13,11 @@ as much as the GEMM). An expert with no rows leaves its tiles untouched.
 ``PREFETCH`` issues the main gradient's load before the loop over the rows, so its ~1 us
 latency and its share of the bandwidth overlap the products; without it every program reads
 its tile only after its products, and a wave of programs does all its arithmetic and then all
-its memory traffic (on an H100 the kernel's time was the sum of the two: 0.9-1.08 ms for
+its memory traffic (on an H100 the kernel took about the sum of the two: 0.9-1.08 ms for
 ``deepseek-3b``'s fc1, where the products alone at the GEMMs' ~600 TFLOP/s take 0.47 ms and
 the 1.48 GB of fp32 reads and writes 0.49 ms). It holds the tile in registers through the
-loop: 8 warps for a 128 x 128 tile.
+loop: 8 warps for a 128 x 128 tile. Not yet timed on a GPU (2026-12-08): :data:`BLOCKS`
+keeps it off until ``bench/expert_wgrad.py`` says which configuration wins.
 
 Imported only when called, so the package never needs triton.
 """
@@ -114,8 +115,8 @@ def grouped_wgrad_accumulate_kernel(
     """``main [L, N, K]`` fp32 (rows contiguous), ``dy [M, N]`` and ``x [M, K]`` (rows
     contiguous, one dtype), ``ends [L]`` int32 on the device: the end row of each expert.
 
-    ``blocks``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH)``, :data:`BLOCKS` if
-    None. No autotuner: it times each candidate on the call's own operands, which here means
+    ``blocks``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH)``,
+    :data:`BLOCKS` if None. No autotuner: it times each candidate on the call's own operands, which here means
     copying the main gradient aside and back (``restore_value``) inside a training step."""
     experts, n, k = main.shape
     args = (
