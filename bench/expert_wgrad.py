@@ -95,7 +95,9 @@ def _measure(
         ("grouped_mm (no accumulation)", gemm), ("grouped_mm + accumulate", unfused),
         ("fused (default blocks)", fused),
     ]  # fmt: skip
+    configs: dict[str, tuple[int, int, int, int, int, bool]] = {}
     for blocks in TUNING if cuda else []:
+        configs[f"fused {blocks}"] = blocks
         lines.append(
             (f"fused {blocks}",
              lambda b=blocks: grouped_wgrad_accumulate_kernel(main_grad, dy, x, ends, 1.0, b))
@@ -109,6 +111,7 @@ def _measure(
             "gemm": name, "line": label, "ms": round(ms, 4),
             "tflops": round(flops / ms / 1e9, 1) if cuda else None,
             "error": None if error is None else float(f"{error:.3g}"),
+            "blocks": list(configs[label]) if label in configs else None,
         }  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -933,29 +933,24 @@ SUITES["s18c"] = [
     SUITES["s18a"][4],
 ]
 
-# s20c, after fa4a/fa4b on the same machine: the experts' weight-gradient kernel with the
-# main gradient's tile read before the products, in the step (deepseek-v3-3b mb 4 x 8, bf16
-# moments; bench/wgrad_blocks.py beside the default blocks; prediction from fa4a's kernel
-# times), the routing without sorts against the sorts it replaced (bench/routing_parts.py;
-# prediction: -15 … -25 ms of the ~30 ms of gatherTopK and sorts), then the hybrid beside
+# s20c, after s20a (or fa4a): the experts' weight-gradient kernel timed alone again (its JSON
+# must be in this call's $OUT), then deepseek-v3-3b mb 4 x 8 (bf16 moments) with the fastest
+# configuration it timed (bench/wgrad_blocks.py --blocks best) beside the default blocks
+# (prediction: -25 … -40 ms if a prefetching one wins as predicted), then the hybrid beside
 # GPT (owed on an H200 since the Triton scan)
-_WGRAD_BEST = "32,128,128,8,4,1"
 SUITES["s20c"] = [
+    ("expert wgrad", 150, "python3 bench/expert_wgrad.py"),
     ("deepseek-v3-3b mb 4 bf16 moments", 130, _DSV3_5.format(_STEP)),
-    ("deepseek-v3-3b mb 4 bf16 moments routing sorts", 130,
-     _DSV3_5.format("python3 bench/routing_parts.py --part sorts")),
-    ("deepseek-v3-3b mb 4 bf16 moments wgrad prefetch", 130,
-     _DSV3_5.format(f"python3 bench/wgrad_blocks.py --blocks {_WGRAD_BEST}")),
+    ("deepseek-v3-3b mb 4 bf16 moments wgrad best", 130,
+     _DSV3_5.format("python3 bench/wgrad_blocks.py --blocks best")),
     ("hybrid vs gpt", 160, "python3 bench/hybrid_vs_gpt.py --compile"),
-    ("moe loss bf16 mb4", 150, _moe_loss_run("m-bf16", "--train.micro_batch_size 4")),
 ]  # fmt: skip
 
 # FlashAttention-4 behind SDPA (train.attention_kernel fa4; issue 22, target 1's attention),
 # two calls on one warm machine: its wheels (bench/fa4_wheels.sh) are larger than one call's
 # carry. fa4a carries .snap/head/.fa4/a and keeps its part in the checkout's ignored
 # .fa4keep there, then runs the new MoE code's GPU tests, times the wgrad kernel's
-# configurations and takes s20c's routing A/B (the device time left fits no third call);
-# fa4b carries .snap/head/.fa4/b, unpacks both halves into /tmp/fa4site and
+# configurations and takes the routing A/B at deepseek-v3-3b; fa4b carries .snap/head/.fa4/b, unpacks both halves into /tmp/fa4site and
 # measures with fa4 beside its own baselines. Prediction (nineteenth session): at
 # FA3's ~600 TFLOP/s forward, ~-9 ms of the 268 ms step (~1.035x). fa4a also times the
 # experts' weight-gradient kernel with the main gradient's tile read before the products
@@ -971,9 +966,14 @@ SUITES["fa4a"] = [
         "packages/moe/tests/test_wgrad_into_main_grad.py packages/moe/tests/test_routing_order.py "
         "-k 'triton_kernel or cuda'",
     ),
-    ("expert wgrad", 150, "python3 bench/expert_wgrad.py"),
-    SUITES["s20c"][0],
-    SUITES["s20c"][1],
+    *SUITES["s20c"][:2],
+    # the routing without sorts (the default) against the sorts it replaced
+    # (bench/routing_parts.py; prediction: -15 … -25 ms of the ~30 ms of gatherTopK and sorts)
+    (
+        "deepseek-v3-3b mb 4 bf16 moments routing sorts",
+        130,
+        _DSV3_5.format("python3 bench/routing_parts.py --part sorts"),
+    ),
 ]
 # s20a: fa4a without its FA4 part, for device time that fits one call, not FA4's two
 SUITES["s20a"] = SUITES["fa4a"][1:]

@@ -118,7 +118,8 @@ def test_every_override_and_size_exists(label: str, command: str) -> None:
 def test_wgrad_blocks_are_tested_configurations() -> None:
     """Every ``bench/wgrad_blocks.py --blocks`` of a suite parses to a configuration of the
     kernel's ``TUNING`` list, each of which its interpreter test runs (so no untested blocks
-    reach the device); a malformed one is one sentence."""
+    reach the device), or is ``best``, which picks among the timed ones; a malformed one is
+    one sentence, and so is ``best`` with nothing timed on every GEMM."""
     pytest.importorskip("triton")
     from mega_moe._wgrad_triton import TUNING
 
@@ -136,6 +137,15 @@ def test_wgrad_blocks_are_tested_configurations() -> None:
     ]
     assert found
     for text in found:
-        assert module.parse_blocks(text) in TUNING, text
+        assert text == "best" or module.parse_blocks(text) in TUNING, text
     with pytest.raises(SystemExit, match="six integers"):
         module.parse_blocks("32,128")
+    rows = [
+        {"gemm": g, "blocks": list(b), "ms": ms}
+        for g, b, ms in [("fc1", TUNING[0], 1.0), ("fc2", TUNING[0], 0.5),
+                         ("fc1", TUNING[-1], 0.7), ("fc2", TUNING[-1], 0.6),
+                         ("fc1", TUNING[1], 0.1)]  # timed on fc1 only: not a candidate
+    ] + [{"gemm": "fc1", "blocks": None, "ms": 0.01}]  # fmt: skip
+    assert module.best_blocks(rows) == TUNING[-1]
+    with pytest.raises(SystemExit, match="times no configuration on every GEMM"):
+        module.best_blocks([*rows[4:], {"gemm": "fc2", "blocks": None, "ms": 0.2}])
