@@ -34,8 +34,11 @@ STEP_SCRIPTS = {
 }
 
 
-def _run_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+def _bench_module(script: str) -> ModuleType:
+    """``bench/<script>.py`` loaded as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{script}", ROOT / "bench" / f"{script}.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -43,7 +46,7 @@ def _run_module() -> ModuleType:
 
 
 def _commands() -> list[tuple[str, str]]:
-    suites: dict[str, list[tuple[str, int, str]]] = _run_module().SUITES
+    suites: dict[str, list[tuple[str, int, str]]] = _bench_module("run").SUITES
     return [
         (f"{name}: {label}", command)
         for name, suite in suites.items()
@@ -123,12 +126,7 @@ def test_wgrad_blocks_are_tested_configurations() -> None:
     pytest.importorskip("triton")
     from mega_moe._wgrad_triton import TUNING
 
-    spec = importlib.util.spec_from_file_location(
-        "wgrad_blocks", ROOT / "bench" / "wgrad_blocks.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _bench_module("wgrad_blocks")
     found = [
         words[words.index("--blocks") + 1]
         for _, command in COMMANDS

@@ -193,9 +193,9 @@ class TrainConfig:
     own order, ``cudnn`` cuDNN's fused attention, ``flash`` FlashAttention-2, ``efficient``
     (memory-efficient), ``fa4`` FlashAttention-4 behind the flash backend (the optional
     ``flash-attn-4`` package, Hopper or Blackwell; not yet run on a GPU); torch falls back
-    to the next in its order for a shape or mask the first cannot take. On the H200 with torch 2.11, ``auto`` ran cuDNN's kernels in the
-    compiled step, and alone at 1b-bench's shape FlashAttention-2 and cuDNN took the same
-    time (bench/RESULTS.md, 2026-12-02). MLA's value head narrower than its query's is the
+    to the next in its order for a shape or mask the first cannot take. On the H200 with
+    torch 2.11, ``auto`` ran cuDNN's kernels in the compiled step, and alone at 1b-bench's
+    shape FlashAttention-2 and cuDNN took the same time (bench/RESULTS.md, 2026-12-02). MLA's value head narrower than its query's is the
     exception: cuDNN runs it where it takes unequal dims (sm90+, cuDNN 9.10+), whatever this
     says, as FlashAttention-2 would need the values padded (1.04x the step on
     ``deepseek-v3-3b``, 2026-12-07); elsewhere the values are padded and this order applies."""

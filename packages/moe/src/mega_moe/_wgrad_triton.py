@@ -116,8 +116,9 @@ def grouped_wgrad_accumulate_kernel(
     contiguous, one dtype), ``ends [L]`` int32 on the device: the end row of each expert.
 
     ``blocks``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH)``,
-    :data:`BLOCKS` if None. No autotuner: it times each candidate on the call's own operands, which here means
-    copying the main gradient aside and back (``restore_value``) inside a training step."""
+    :data:`BLOCKS` if None. No autotuner: it times each candidate on the call's own
+    operands, which here means copying the main gradient aside and back (``restore_value``)
+    inside a training step."""
     experts, n, k = main.shape
     args = (
         main, dy, x, ends, n, k, float(alpha),
